@@ -1,0 +1,35 @@
+# tdist: two commands on a fresh machine.
+#   make demo  -- set up .venv and run distributed training over 4 processes (tcp backend)
+#   make test  -- set up .venv and run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# Each distribution is installed on its own, exactly as a user would install it.
+PACKAGES := core plugins/tcp
+
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv test demo clean
+
+venv: $(STAMP)
+
+$(STAMP): Makefile $(addsuffix /pyproject.toml,$(PACKAGES))
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch pinned: the CPU wheel; a looser spec pulls gigabytes of CUDA packages.
+	$(PIP) install -q torch==2.13.0 numpy pluggy pytest pytest-timeout
+	$(PIP) install -q --no-build-isolation $(addprefix -e ,$(PACKAGES)) || $(PIP) install -q $(addprefix -e ,$(PACKAGES))
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q
+
+demo: venv
+	$(PY) examples/dist_sgd.py --world-size 4 --backend tcp
+
+clean:
+	rm -rf $(VENV) build */*.egg-info plugins/*/src/*.egg-info core/src/*.egg-info

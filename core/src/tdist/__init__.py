@@ -1,0 +1,103 @@
+"""tdist: torch.distributed's communication API as a plugin architecture.
+
+``import tdist as dist`` runs programs written for ``torch.distributed``.
+Backends are separate distributions found through entry points (group
+``tdist``) the first time ``init_process_group`` or ``is_backend_available``
+needs them; importing tdist loads no backend and none of their dependencies.
+"""
+
+from __future__ import annotations
+
+from ._backend import ANY_SOURCE_OP, OPERATIONS, Backend, BackendSpec
+from ._collectives import (
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    gather,
+    monitored_barrier,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+)
+from ._errors import (
+    DistBackendError,
+    DistBackendTimeoutError,
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    DistStoreTimeoutError,
+)
+from ._groups import (
+    GroupMember,
+    ProcessGroup,
+    get_backend,
+    get_global_rank,
+    get_group_rank,
+    get_process_group_ranks,
+    get_rank,
+    get_world_size,
+    group,
+    is_initialized,
+)
+from ._init import (
+    available_backends,
+    default_pg_timeout,
+    destroy_process_group,
+    get_backend_spec,
+    init_process_group,
+    is_available,
+    is_backend_available,
+    new_group,
+)
+from ._multigpu import all_gather_multigpu, all_reduce_multigpu, broadcast_multigpu, reduce_multigpu
+from ._objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    recv_object_list,
+    scatter_object_list,
+    send_object_list,
+)
+from ._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from ._reduce_op import ReduceOp, Reduction, make_premul_sum, reduce_op
+from ._store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from ._work import Work
+from .hookspecs import HOOKSPEC_VERSION, hookimpl
+
+__version__ = "0.1.0"
+
+#: torch.distributed's private spelling of :func:`make_premul_sum`.
+_make_nccl_premul_sum = make_premul_sum
+
+__all__ = [
+    # setup
+    "init_process_group", "destroy_process_group", "is_initialized", "is_available", "is_backend_available",
+    "available_backends", "get_backend_spec", "default_pg_timeout", "new_group",
+    # groups and ranks
+    "ProcessGroup", "GroupMember", "group", "get_rank", "get_world_size", "get_backend", "get_global_rank",
+    "get_group_rank", "get_process_group_ranks",
+    # point-to-point
+    "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv",
+    # collectives
+    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+    # multi-GPU collectives
+    "broadcast_multigpu", "all_reduce_multigpu", "reduce_multigpu", "all_gather_multigpu",
+    # object collectives
+    "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list", "send_object_list",
+    "recv_object_list",
+    # reductions and work
+    "ReduceOp", "reduce_op", "Reduction", "make_premul_sum", "Work",
+    # stores
+    "Store", "TCPStore", "FileStore", "HashStore", "PrefixStore",
+    # errors
+    "DistError", "DistBackendError", "DistStoreError", "DistNetworkError", "DistBackendTimeoutError",
+    "DistStoreTimeoutError",
+    # plugin contract
+    "Backend", "BackendSpec", "OPERATIONS", "ANY_SOURCE_OP", "hookimpl", "HOOKSPEC_VERSION",
+]

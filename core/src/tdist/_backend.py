@@ -1,0 +1,177 @@
+"""The contract between the core and a backend: :class:`Backend`, :class:`BackendSpec`.
+
+A backend instance serves exactly one process group. Ranks it receives are
+*group* ranks (0 .. size-1); the core has already validated every argument
+(ranks in range, list lengths, matching sizes and dtypes on this rank), so a
+backend only checks what needs the other ranks (and its own limits, such as a
+dtype it cannot reduce, which it must reject before communicating).
+
+Every operation returns a :class:`tdist.Work` at once or after completing; the
+core waits on it unless the caller passed ``async_op=True``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+
+from ._reduce_op import Reduction
+from ._work import Work
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._store.base import Store
+
+__all__ = ["Backend", "BackendSpec", "BackendFactory", "OPERATIONS", "ANY_SOURCE_OP"]
+
+#: The operation names a :class:`BackendSpec` may declare per device type.
+OPERATIONS: tuple[str, ...] = (
+    "send",
+    "recv",
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "barrier",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+)
+#: Declared in addition to "recv" by backends that can receive from any source.
+ANY_SOURCE_OP = "recv_anysource"
+
+BackendFactory = Callable[..., "Backend"]
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a plugin registers for one backend.
+
+    ``factory(store=..., rank=..., world_size=..., timeout=..., options=..., global_ranks=...)``
+    builds the backend of one process group; ``store`` is already prefixed for that
+    group. ``operations`` maps a device type (``"cpu"``, ``"cuda"``) to the operation
+    names it supports (see :data:`OPERATIONS`, plus :data:`ANY_SOURCE_OP`).
+    ``available`` is None when usable, else the reason it is not (e.g. "no GPU").
+    ``default_init_method`` is the init method used when the caller names none
+    (e.g. ``"mpi://"`` for a backend whose launcher provides rank and size);
+    None means ``env://``.
+    """
+
+    name: str
+    factory: BackendFactory
+    operations: Mapping[str, frozenset[str]]
+    description: str = ""
+    available: Optional[str] = None
+    default_init_method: Optional[str] = None
+    distribution: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(self.operations)
+
+    def supports(self, operation: str, device: str) -> bool:
+        return operation in self.operations.get(device, ())
+
+
+class Backend(abc.ABC):
+    """The communication engine of one process group.
+
+    Subclasses implement the abstract operations; the ``*_tensor`` / ``_single``
+    variants have defaults built on the list forms that a backend may override with
+    something faster. ``rank`` and ``size`` are the group rank and size.
+    """
+
+    name: str = "backend"
+
+    # torch.distributed.Backend's name constants, for programs that spell backends this way.
+    TCP = "tcp"
+    GLOO = "gloo"
+    MPI = "mpi"
+    NCCL = "nccl"
+
+    def __init__(self, rank: int, size: int, timeout: timedelta) -> None:
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+
+    # ------------------------------------------------------------ point-to-point
+    @abc.abstractmethod
+    def send(self, tensor: "torch.Tensor", dst: int, tag: int) -> Work:
+        """Send ``tensor`` to group rank ``dst``. Messages to one peer arrive in order."""
+
+    @abc.abstractmethod
+    def recv(self, tensor: "torch.Tensor", src: Optional[int], tag: int) -> Work:
+        """Receive into ``tensor`` from ``src`` (None: any rank); the Work's
+        ``source_rank()`` is the sender's group rank."""
+
+    # --------------------------------------------------------------- collectives
+    @abc.abstractmethod
+    def broadcast(self, tensor: "torch.Tensor", src: int) -> Work:
+        """Copy ``tensor`` of rank ``src`` into ``tensor`` on every rank."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: "torch.Tensor", op: Reduction) -> Work:
+        """Reduce ``tensor`` across ranks in place on every rank."""
+
+    @abc.abstractmethod
+    def reduce(self, tensor: "torch.Tensor", dst: int, op: Reduction) -> Work:
+        """Reduce ``tensor`` across ranks into ``tensor`` on ``dst``; others' tensors may change."""
+
+    @abc.abstractmethod
+    def all_gather(self, outputs: Sequence["torch.Tensor"], tensor: "torch.Tensor") -> Work:
+        """``outputs[i]`` receives rank i's ``tensor`` on every rank."""
+
+    @abc.abstractmethod
+    def gather(self, tensor: "torch.Tensor", outputs: Optional[Sequence["torch.Tensor"]], dst: int) -> Work:
+        """On ``dst``, ``outputs[i]`` receives rank i's ``tensor``; ``outputs`` is None elsewhere."""
+
+    @abc.abstractmethod
+    def scatter(self, tensor: "torch.Tensor", inputs: Optional[Sequence["torch.Tensor"]], src: int) -> Work:
+        """Rank i's ``tensor`` receives ``inputs[i]`` of ``src``; ``inputs`` is None elsewhere."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, output: "torch.Tensor", inputs: Sequence["torch.Tensor"], op: Reduction) -> Work:
+        """Rank i's ``output`` receives the reduction over ranks of their ``inputs[i]``."""
+
+    @abc.abstractmethod
+    def all_to_all(self, outputs: Sequence["torch.Tensor"], inputs: Sequence["torch.Tensor"]) -> Work:
+        """Rank i's ``outputs[j]`` receives rank j's ``inputs[i]``."""
+
+    @abc.abstractmethod
+    def barrier(self) -> Work:
+        """Complete once every rank of the group has entered the barrier."""
+
+    # ------------------------------------------------- defaults on the list forms
+    def all_gather_into_tensor(self, output: "torch.Tensor", tensor: "torch.Tensor") -> Work:
+        """``output`` (size * tensor's numel, contiguous) receives every rank's ``tensor`` in rank order."""
+        chunks = list(output.view(-1).chunk(self.size))
+        return self.all_gather([c.view(tensor.shape) for c in chunks], tensor)
+
+    def reduce_scatter_tensor(self, output: "torch.Tensor", tensor: "torch.Tensor", op: Reduction) -> Work:
+        """Rank i's ``output`` receives the reduction of chunk i of every rank's ``tensor``."""
+        chunks = [c.view(output.shape) for c in tensor.reshape(-1).chunk(self.size)]
+        return self.reduce_scatter(output, chunks, op)
+
+    def all_to_all_single(
+        self,
+        output: "torch.Tensor",
+        tensor: "torch.Tensor",
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> Work:
+        """Split ``tensor`` along dim 0 by ``input_split_sizes``; rank i's piece j goes to
+        rank j, which stores it as piece i of ``output`` (split by ``output_split_sizes``)."""
+        inputs = list(tensor.split(list(input_split_sizes)))
+        outputs = list(output.split(list(output_split_sizes)))
+        return self.all_to_all(outputs, inputs)
+
+    def shutdown(self) -> None:
+        """Release connections and threads. Called once by ``destroy_process_group``."""

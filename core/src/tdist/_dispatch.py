@@ -1,0 +1,148 @@
+"""Issuing an operation: pick the backend, stage non-contiguous tensors, notify the
+work hooks, and wait unless the caller asked for ``async_op``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from ._backend import Backend
+from ._errors import DistError
+from ._groups import ProcessGroup
+from ._plugins import WorkInfo, plugins
+from ._work import Timeout, Work
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["issue", "contiguous_view", "device_of"]
+
+
+def device_of(tensors: Sequence["torch.Tensor"], operation: str) -> str:
+    """The device type shared by ``tensors``; an error if they are on different kinds."""
+    devices = {t.device.type for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"{operation}: tensors must all be on one device type, got {sorted(devices)}")
+    return devices.pop()
+
+
+class StagedWork(Work):
+    """Wraps a backend's Work; when it completes, copies staged outputs back into
+    the caller's non-contiguous tensors (once, before ``wait`` returns)."""
+
+    __slots__ = ("_inner", "_copies", "_copied", "_copy_lock")
+
+    def __init__(self, inner: Work, copies: list[tuple["torch.Tensor", "torch.Tensor"]]) -> None:
+        super().__init__(inner.op, inner.default_timeout)
+        self._inner = inner
+        self._copies = copies
+        self._copied = False
+        self._copy_lock = threading.Lock()
+
+    def _copy_back(self) -> None:
+        with self._copy_lock:
+            if not self._copied:
+                self._copied = True
+                if self._inner.is_success():
+                    for target, staged in self._copies:
+                        target.copy_(staged)
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        self._inner.wait(timeout)
+        self._copy_back()
+        return True
+
+    def is_completed(self) -> bool:
+        if self._inner.is_completed():
+            self._copy_back()
+            return True
+        return False
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._inner.is_success()
+
+    def exception(self) -> Optional[BaseException]:
+        return self._inner.exception()
+
+    def result(self) -> list[Any]:
+        self.wait()
+        return self._inner.result()
+
+    def source_rank(self) -> int:
+        self.wait()
+        return self._inner.source_rank()
+
+    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
+        self._inner.add_done_callback(lambda _inner: (self._copy_back(), callback(self)))
+
+    def get_future(self) -> Any:
+        self._inner.add_done_callback(lambda _inner: self._copy_back())
+        return self._inner.get_future()
+
+
+def contiguous_view(
+    tensor: "torch.Tensor", copies: Optional[list], output: bool
+) -> "torch.Tensor":
+    """``tensor`` itself when contiguous, else a contiguous copy; for an output
+    tensor the copy is recorded in ``copies`` to be written back on completion."""
+    if tensor.is_contiguous():
+        return tensor
+    staged = tensor.contiguous()
+    if output and copies is not None:
+        copies.append((tensor, staged))
+    return staged
+
+
+def _observe(work: Work, info: WorkInfo) -> None:
+    hooks = plugins()
+    hooks.work_issued(info)
+
+    def _done(done: Work) -> None:
+        error = done.exception()
+        if error is None:
+            hooks.work_completed(info, time.perf_counter() - info.issued_at)
+        else:
+            hooks.work_failed(info, error)
+
+    work.add_done_callback(_done)
+
+
+def issue(
+    pg: ProcessGroup,
+    operation: str,
+    device: str,
+    call: Callable[[Backend], Work],
+    async_op: bool,
+    copies: Sequence[tuple["torch.Tensor", "torch.Tensor"]] = (),
+    tensors: Sequence["torch.Tensor"] = (),
+) -> Optional[Work]:
+    """Run ``call(backend)`` on ``pg``'s backend for ``device``; wait unless ``async_op``.
+
+    ``copies`` are (caller tensor, staged tensor) pairs written back on completion.
+    ``tensors`` describe the operation to the work hooks (ignored when none observe).
+    """
+    backend = pg.backend_for(device, operation)
+    seq = pg.next_seq()
+    work = call(backend)
+    if not isinstance(work, Work):
+        raise DistError(f"{operation}: backend {pg.backend_name!r} returned {type(work).__name__}, not a tdist.Work")
+    if copies:
+        work = StagedWork(work, list(copies))
+    if plugins().observes_work:
+        _observe(
+            work,
+            WorkInfo(
+                op=operation,
+                group=pg.name,
+                seq=seq,
+                shapes=[tuple(t.shape) for t in tensors],
+                dtype=str(tensors[0].dtype) if tensors else "",
+                nbytes=sum(t.numel() * t.element_size() for t in tensors),
+                backend=pg.backend_name,
+            ),
+        )
+    if async_op:
+        return work
+    work.wait()
+    return None

@@ -1,0 +1,224 @@
+"""Process groups: :class:`ProcessGroup`, the process-wide state, and rank queries.
+
+A group is a sorted list of global ranks plus one backend instance per device
+type (``"cpu"``, ``"cuda"``). Group ranks are indices into that list.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from ._backend import Backend, BackendSpec
+from ._errors import DistError
+
+if TYPE_CHECKING:
+    from ._store.base import Store
+
+__all__ = [
+    "ProcessGroup",
+    "GroupMember",
+    "group",
+    "STATE",
+    "resolve_group",
+    "get_rank",
+    "get_world_size",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
+    "is_initialized",
+]
+
+
+class ProcessGroup:
+    """A set of ranks and the backends that connect them.
+
+    ``ranks`` are the sorted global ranks; ``rank`` is this process's index in
+    them. ``backends`` maps device type to the backend serving it, and ``specs``
+    to the :class:`BackendSpec` it came from (for capability checks).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        ranks: Sequence[int],
+        rank: int,
+        backends: dict[str, Backend],
+        specs: dict[str, BackendSpec],
+        store: "Store",
+        timeout: timedelta,
+        backend_name: str,
+    ) -> None:
+        self.name = name
+        self.ranks = list(ranks)
+        self.rank = rank
+        self.size = len(self.ranks)
+        self.backends = backends
+        self.specs = specs
+        self.store = store
+        self.timeout = timeout
+        self.backend_name = backend_name
+        self.seq = 0
+        self._global_to_group = {g: i for i, g in enumerate(self.ranks)}
+        self._lock = threading.Lock()
+
+    def next_seq(self) -> int:
+        """Advance and return this group's operation counter (same on every rank)."""
+        with self._lock:
+            self.seq += 1
+            return self.seq
+
+    def group_rank(self, global_rank: int, what: str = "rank") -> int:
+        """The group rank of ``global_rank``; a clear error if it is not a member."""
+        try:
+            return self._global_to_group[global_rank]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"{what} {global_rank!r} is not in group {self.name!r} (its global ranks: {self.ranks})"
+            ) from None
+
+    def backend_for(self, device: str, operation: str) -> Backend:
+        """The backend that runs ``operation`` on ``device`` tensors, or a clear error."""
+        backend = self.backends.get(device)
+        if backend is None:
+            served = ", ".join(sorted(self.backends)) or "none"
+            raise DistError(
+                f"{operation}: backend {self.backend_name!r} of group {self.name!r} has no support for "
+                f"{device} tensors (devices it serves: {served})"
+            )
+        if not self.specs[device].supports(operation, device):
+            raise DistError(
+                f"{operation}: not supported by backend {self.specs[device].name!r} on {device} tensors "
+                "(see `python -m tdist info` for the support table)"
+            )
+        return backend
+
+    def shutdown(self) -> None:
+        for backend in {id(b): b for b in self.backends.values()}.values():
+            backend.shutdown()
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroup {self.name!r} ranks={self.ranks} backend={self.backend_name!r}>"
+
+
+class _NonMember:
+    """The handle a rank receives from ``new_group`` when it is not a member."""
+
+    def __repr__(self) -> str:
+        return "<GroupMember.NON_GROUP_MEMBER>"
+
+
+class _State:
+    """Everything ``init_process_group`` sets up; reset by ``destroy_process_group``."""
+
+    def __init__(self) -> None:
+        self.world: Optional[ProcessGroup] = None
+        self.groups: list[ProcessGroup] = []
+        self.store: Optional["Store"] = None
+        self.group_count = 0
+        self.backend_name = ""
+        self.options: dict[str, Any] = {}
+
+    def reset(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
+STATE = _State()
+
+
+class GroupMember:
+    """Group sentinels: ``GroupMember.WORLD`` is the default group (None before init);
+    ``GroupMember.NON_GROUP_MEMBER`` is what non-members get from ``new_group``."""
+
+    NON_GROUP_MEMBER: Any = _NonMember()
+
+    class _World:
+        def __get__(self, obj: Any, owner: Any) -> Optional[ProcessGroup]:
+            return STATE.world
+
+    WORLD = _World()
+
+
+#: ``tdist.group.WORLD`` as in torch.distributed.
+group = GroupMember
+
+
+def is_initialized() -> bool:
+    """Whether ``init_process_group`` has completed (and not been destroyed)."""
+    return STATE.world is not None
+
+
+def _require_init() -> ProcessGroup:
+    if STATE.world is None:
+        raise DistError("default process group is not initialized: call tdist.init_process_group() first")
+    return STATE.world
+
+
+def resolve_group(group: Any) -> Optional[ProcessGroup]:
+    """The :class:`ProcessGroup` for a ``group=`` argument; None for a non-member handle.
+
+    Raises if the package is not initialized or ``group`` is not a group.
+    """
+    world = _require_init()
+    if group is None or group is GroupMember.WORLD:
+        return world
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return None
+    if isinstance(group, ProcessGroup):
+        if group not in STATE.groups:
+            raise DistError(f"group {group.name!r} was destroyed or belongs to an earlier init_process_group")
+        return group
+    raise TypeError(f"group must be a group returned by tdist.new_group() or None, got {group!r}")
+
+
+def warn_not_member(operation: str) -> None:
+    warnings.warn(f"{operation}: this rank is not a member of the group; nothing done", stacklevel=3)
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (default: the world); -1 for a non-member."""
+    pg = resolve_group(group)
+    return -1 if pg is None else pg.rank
+
+
+def get_world_size(group: Any = None) -> int:
+    """The number of ranks in ``group`` (default: the world); -1 for a non-member."""
+    pg = resolve_group(group)
+    return -1 if pg is None else pg.size
+
+
+def get_backend(group: Any = None) -> str:
+    """The backend name of ``group`` (as given to init_process_group or new_group)."""
+    pg = resolve_group(group)
+    if pg is None:
+        raise ValueError("get_backend: this rank is not a member of the group")
+    return pg.backend_name
+
+
+def get_process_group_ranks(group: Any) -> list[int]:
+    """The global ranks of ``group``, in group-rank order."""
+    pg = resolve_group(group)
+    if pg is None:
+        raise ValueError("get_process_group_ranks: this rank is not a member of the group")
+    return list(pg.ranks)
+
+
+def get_global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group``."""
+    pg = resolve_group(group)
+    if pg is None:
+        raise ValueError("get_global_rank: this rank is not a member of the group")
+    if not isinstance(group_rank, int) or not 0 <= group_rank < pg.size:
+        raise ValueError(f"get_global_rank: group rank {group_rank!r} is out of range for a group of size {pg.size}")
+    return pg.ranks[group_rank]
+
+
+def get_group_rank(group: Any, global_rank: int) -> int:
+    """The rank in ``group`` of the process with global rank ``global_rank``."""
+    pg = resolve_group(group)
+    if pg is None:
+        raise ValueError("get_group_rank: this rank is not a member of the group")
+    return pg.group_rank(global_rank, "global rank")

@@ -1,0 +1,40 @@
+"""``python -m tdist info``: installed plugins, backend availability and the
+support table, generated live from what the installed backends declare."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ._backend import ANY_SOURCE_OP, OPERATIONS, BackendSpec
+from ._plugins import Plugins, plugins
+
+__all__ = ["support_table", "info_text"]
+
+YES, NO = "✓", "✘"
+
+
+def support_table(specs: Sequence[BackendSpec], devices: Sequence[str] = ("cpu", "cuda")) -> str:
+    """The seed docs' table (operation × backend × device) as Markdown."""
+    header = ["Backend"] + [f"`{s.name}` {d.upper() if d == 'cpu' else 'GPU'}" for s in specs for d in devices]
+    rows = [header, ["---"] * len(header)]
+    for operation in (*OPERATIONS, ANY_SOURCE_OP):
+        label = "recv (any source)" if operation == ANY_SOURCE_OP else operation
+        rows.append([label] + [YES if s.supports(operation, d) else NO for s in specs for d in devices])
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def info_text(registry: Plugins | None = None) -> str:
+    registry = registry or plugins()
+    lines = ["Plugins:"]
+    for record in registry.records:
+        status = "loaded" if record.loaded else f"not loaded: {record.error}"
+        lines.append(f"  {record.name:<20} {record.distribution or '-'} {record.version or ''}  [{status}]")
+    lines += ["", "Backends:"]
+    for spec in registry.backends.specs():
+        state = "available" if spec.available is None else f"unavailable: {spec.available}"
+        lines.append(f"  {spec.name:<8} {state}  (devices: {', '.join(spec.devices)}; from {spec.distribution})")
+        if spec.description:
+            lines.append(f"           {spec.description}")
+    lines += ["", "Init methods: " + ", ".join(f"{s}://" for s in registry.rendezvous.schemes()), ""]
+    lines += ["Support table:", support_table(registry.backends.specs())]
+    return "\n".join(lines)

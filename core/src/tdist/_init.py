@@ -1,0 +1,298 @@
+"""Setting up and tearing down: ``init_process_group``, ``new_group``,
+``destroy_process_group`` and the backend availability queries."""
+
+from __future__ import annotations
+
+import time
+import urllib.parse
+from datetime import timedelta
+from typing import Any, Optional, Sequence
+
+from ._backend import Backend, BackendSpec
+from ._errors import DistError, DistStoreTimeoutError
+from ._groups import STATE, GroupMember, ProcessGroup, resolve_group
+from ._plugins import plugins
+from ._store import PrefixStore
+from ._store.base import Store
+
+__all__ = [
+    "init_process_group",
+    "destroy_process_group",
+    "new_group",
+    "is_available",
+    "is_backend_available",
+    "available_backends",
+    "get_backend_spec",
+    "default_pg_timeout",
+]
+
+#: Default timeout of every blocking operation, as in torch.distributed.
+default_pg_timeout = timedelta(minutes=30)
+_PREFERRED_CPU_BACKENDS = ("tcp", "gloo", "mpi")
+
+
+def is_available() -> bool:
+    """Always True: the core is pure Python. Use :func:`is_backend_available` per backend."""
+    return True
+
+
+def get_backend_spec(name: str) -> BackendSpec:
+    """The :class:`BackendSpec` registered under ``name``; a clear error when not installed."""
+    registry = plugins()
+    spec = registry.backends.get(name)
+    if spec is None:
+        raise DistError(registry.missing_backend_message(name))
+    return spec
+
+
+def is_backend_available(name: str) -> bool:
+    """Whether backend ``name`` is installed and usable on this machine."""
+    spec = plugins().backends.get(name)
+    return spec is not None and spec.available is None
+
+
+def available_backends() -> list[str]:
+    """The names of the installed backends that are usable here."""
+    return [spec.name for spec in plugins().backends.specs() if spec.available is None]
+
+
+def _parse_backend(backend: Optional[str]) -> tuple[str, dict[str, str]]:
+    """``"tcp"`` or ``"cpu:tcp,cuda:nccl"`` -> (display name, {device: backend name}).
+
+    A plain name serves every device its spec declares.
+    """
+    if backend is None:
+        preferred = plugins().default_backend("cpu")
+        names = [preferred] if preferred else [n for n in _PREFERRED_CPU_BACKENDS if is_backend_available(n)]
+        if not names:
+            raise DistError(
+                "init_process_group: no backend given and no default backend is available "
+                f"(installed: {', '.join(plugins().backends.names()) or 'none'}); pip install tdist-tcp"
+            )
+        backend = names[0]
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend must be a non-empty string, got {backend!r}")
+    backend = backend.lower()
+    if ":" not in backend:
+        spec = _usable_spec(backend)
+        return backend, {device: backend for device in spec.devices}
+    mapping: dict[str, str] = {}
+    for part in backend.split(","):
+        device, sep, name = part.partition(":")
+        if not sep or not device.strip() or not name.strip():
+            raise ValueError(f"backend {backend!r}: expected 'device:backend[,device:backend]', e.g. 'cpu:tcp,cuda:nccl'")
+        mapping[device.strip()] = name.strip()
+    return backend, mapping
+
+
+def _usable_spec(name: str) -> BackendSpec:
+    spec = get_backend_spec(name)
+    if spec.available is not None:
+        raise DistError(f"backend {name!r} is installed but unavailable: {spec.available}")
+    return spec
+
+
+def _check_rank_args(rank: int, world_size: int) -> None:
+    if not isinstance(world_size, int) or (world_size != -1 and world_size < 1):
+        raise ValueError(f"init_process_group: world_size must be a positive integer (or -1), got {world_size!r}")
+    if not isinstance(rank, int) or rank < -1:
+        raise ValueError(f"init_process_group: rank must be a non-negative integer (or -1), got {rank!r}")
+    if world_size > 0 and rank >= world_size:
+        raise ValueError(f"init_process_group: rank {rank} is out of range for world_size {world_size} (0..{world_size - 1})")
+
+
+def _rendezvous(
+    init_method: str, rank: int, world_size: int, timeout: timedelta, group_name: str
+) -> tuple[Store, int, int]:
+    url = urllib.parse.urlsplit(init_method)
+    if not url.scheme:
+        raise ValueError(f"init_method {init_method!r} has no scheme: expected e.g. env://, tcp://host:port, file:///path")
+    handler = plugins().rendezvous.get(url.scheme)
+    if handler is None:
+        known = ", ".join(f"{s}://" for s in plugins().rendezvous.schemes()) or "none"
+        raise ValueError(f"init_method {init_method!r}: no rendezvous handler for {url.scheme}:// (installed: {known})")
+    store, rank, world_size = handler(
+        url, rank=rank, world_size=world_size, timeout=timeout.total_seconds(), group_name=group_name
+    )
+    _check_rank_args(rank, world_size)
+    return store, rank, world_size
+
+
+def join(store: Store, key: str, rank: int, members: Sequence[int], timeout: timedelta) -> None:
+    """Block until every rank in ``members`` has called ``join`` with the same ``key``.
+
+    On timeout, raise naming the ranks that never arrived.
+    """
+    store.set(f"{key}/joined/{rank}", b"1")
+    deadline = time.monotonic() + timeout.total_seconds()
+    missing = list(members)
+    while missing:
+        remaining = deadline - time.monotonic()
+        try:
+            store.wait([f"{key}/joined/{missing[0]}"], timeout=max(remaining, 0.001))
+        except DistStoreTimeoutError:
+            missing = [r for r in missing if not store.check([f"{key}/joined/{r}"])]
+            if not missing:
+                break
+            raise DistStoreTimeoutError(
+                f"{key}: rank {rank} waited {timeout.total_seconds():g} s but rank(s) {missing} never arrived "
+                f"(of {len(members)} expected)"
+            ) from None
+        missing.pop(0)
+
+
+def _build_group(
+    name: str,
+    ranks: list[int],
+    rank: int,
+    devices: dict[str, str],
+    display: str,
+    store: Store,
+    timeout: timedelta,
+    options: dict[str, Any],
+) -> ProcessGroup:
+    group_store = PrefixStore(name, store)
+    backends: dict[str, Backend] = {}
+    specs: dict[str, BackendSpec] = {}
+    by_name: dict[str, Backend] = {}
+    try:
+        for device, backend_name in devices.items():
+            spec = _usable_spec(backend_name)
+            if device not in spec.devices:
+                raise DistError(f"backend {backend_name!r} does not serve {device} tensors (it serves {', '.join(spec.devices)})")
+            if backend_name not in by_name:
+                by_name[backend_name] = spec.factory(
+                    store=PrefixStore(backend_name, group_store),
+                    rank=ranks.index(rank),
+                    world_size=len(ranks),
+                    timeout=timeout,
+                    options=dict(options),
+                    global_ranks=list(ranks),
+                )
+            backends[device] = by_name[backend_name]
+            specs[device] = spec
+    except BaseException:
+        for backend in by_name.values():
+            backend.shutdown()
+        raise
+    return ProcessGroup(name, ranks, ranks.index(rank), backends, specs, group_store, timeout, display)
+
+
+def init_process_group(
+    backend: Optional[str] = None,
+    init_method: Optional[str] = None,
+    timeout: Optional[timedelta] = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Optional[Store] = None,
+    group_name: str = "",
+    pg_options: Optional[dict[str, Any]] = None,
+    device_id: Any = None,
+) -> None:
+    """Initialise the default process group; blocks until every rank has joined.
+
+    ``backend``: a backend name (``"tcp"``, ``"gloo"``, ``"mpi"``, ``"nccl"``, ...) or a
+    per-device map such as ``"cpu:tcp,cuda:nccl"``; None picks an installed one.
+    ``init_method``: ``env://`` (default), ``tcp://host:port``, ``file:///path`` or any
+    scheme a plugin registers; mutually exclusive with ``store``. ``timeout`` bounds
+    every blocking operation (default 30 minutes). ``group_name`` lets several jobs
+    share one rendezvous (file path or address). ``pg_options`` are passed to the
+    backend factories.
+    """
+    if STATE.world is not None:
+        raise DistError("init_process_group: already initialized; call tdist.destroy_process_group() first")
+    if timeout is None:
+        timeout = default_pg_timeout
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    _check_rank_args(rank, world_size)
+    display, devices = _parse_backend(backend)
+    if store is not None:
+        if init_method is not None:
+            raise ValueError("init_process_group: pass either init_method or store, not both")
+        if rank < 0 or world_size < 0:
+            raise ValueError("init_process_group: rank and world_size are required when a store is given")
+    else:
+        if init_method is None:
+            init_method = _default_init_method(devices)
+        store, rank, world_size = _rendezvous(init_method, rank, world_size, timeout, group_name)
+    try:
+        join(store, "tdist/init", rank, range(world_size), timeout)
+        world = _build_group("pg0", list(range(world_size)), rank, devices, display, store, timeout, pg_options or {})
+    except BaseException:
+        store.close()
+        raise
+    STATE.world = world
+    STATE.groups = [world]
+    STATE.store = store
+    STATE.group_count = 0
+    STATE.backend_name = display
+    STATE.options = dict(pg_options or {})
+
+
+def _default_init_method(devices: dict[str, str]) -> str:
+    for name in devices.values():
+        method = get_backend_spec(name).default_init_method
+        if method:
+            return method
+    return "env://"
+
+
+def new_group(
+    ranks: Optional[Sequence[int]] = None,
+    timeout: Optional[timedelta] = None,
+    backend: Optional[str] = None,
+    pg_options: Optional[dict[str, Any]] = None,
+    use_local_synchronization: bool = False,
+    group_desc: Optional[str] = None,
+) -> Any:
+    """Create a group of the global ``ranks`` (default: all). Every rank of the world
+    must call ``new_group`` in the same order, members or not; non-members get
+    ``GroupMember.NON_GROUP_MEMBER``. ``backend`` defaults to the world's."""
+    world = resolve_group(None)
+    assert world is not None and STATE.store is not None
+    if ranks is None:
+        members = list(range(world.size))
+    else:
+        members = sorted(ranks)
+        if len(set(members)) != len(members):
+            raise ValueError(f"new_group: ranks contain duplicates: {list(ranks)}")
+        bad = [r for r in members if not isinstance(r, int) or not 0 <= r < world.size]
+        if bad:
+            raise ValueError(f"new_group: rank(s) {bad} out of range for world size {world.size}")
+        if not members:
+            raise ValueError("new_group: ranks is empty")
+    STATE.group_count += 1
+    name = f"pg{STATE.group_count}"
+    if world.rank not in members:
+        return GroupMember.NON_GROUP_MEMBER
+    timeout = timeout or world.timeout
+    display, devices = _parse_backend(backend) if backend else (world.backend_name, _same_devices(world))
+    join(STATE.store, f"tdist/{name}", world.rank, members, timeout)
+    options = {**STATE.options, **(pg_options or {})}
+    pg = _build_group(name, members, world.rank, devices, display, STATE.store, timeout, options)
+    STATE.groups.append(pg)
+    return pg
+
+
+def _same_devices(world: ProcessGroup) -> dict[str, str]:
+    return {device: spec.name for device, spec in world.specs.items()}
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """Shut down ``group``'s backends; with no argument, every group and the default
+    one, after which ``init_process_group`` may be called again."""
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return
+    pg = resolve_group(group)
+    if group is not None and pg is not STATE.world:
+        assert pg is not None
+        STATE.groups.remove(pg)
+        pg.shutdown()
+        return
+    groups, store = STATE.groups, STATE.store
+    STATE.reset()
+    for pg in reversed(groups):
+        pg.shutdown()
+    if store is not None:
+        store.close()

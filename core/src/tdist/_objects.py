@@ -1,0 +1,166 @@
+"""Collectives on picklable Python objects.
+
+.. warning:: These functions use :mod:`pickle`. Unpickling runs arbitrary code:
+   call them only inside a job whose every rank you trust. Tensors passed to the
+   tensor collectives never go through pickle; only these ``*_object*`` functions do.
+
+Objects travel as uint8 tensors over the group's backend, on CPU when the
+backend serves CPU tensors, else on the current CUDA device.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Optional
+
+from . import _collectives as coll
+from . import _p2p as p2p
+from ._groups import ProcessGroup, resolve_group, warn_not_member
+
+__all__ = [
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+]
+
+
+def _device(pg: ProcessGroup) -> Any:
+    import torch
+
+    return torch.device("cpu") if "cpu" in pg.backends else torch.device("cuda", torch.cuda.current_device())
+
+
+def _encode(obj: Any, device: Any) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def _decode(tensor: Any, size: int) -> Any:
+    return pickle.loads(tensor[:size].cpu().numpy().tobytes())
+
+
+def _sizes(n: int, device: Any) -> Any:
+    import torch
+
+    return torch.zeros(n, dtype=torch.int64, device=device)
+
+
+def broadcast_object_list(object_list: list[Any], src: Optional[int] = None, group: Any = None, device: Any = None,
+                          group_src: Optional[int] = None) -> None:
+    """Replace ``object_list``'s items on every rank with those of rank ``src`` (same length everywhere)."""
+    pg = resolve_group(group)
+    if pg is None:
+        return warn_not_member("broadcast_object_list")
+    device = device or _device(pg)
+    root = group_src if group_src is not None else pg.group_rank(src if src is not None else pg.ranks[0], "src")
+    root_is_me = root == pg.rank
+    sizes = _sizes(len(object_list), device)
+    payloads = [_encode(obj, device) for obj in object_list] if root_is_me else []
+    if root_is_me:
+        for i, payload in enumerate(payloads):
+            sizes[i] = payload.numel()
+    coll.broadcast(sizes, group=group, group_src=root)
+    import torch
+
+    flat = torch.cat(payloads) if root_is_me else torch.empty(int(sizes.sum()), dtype=torch.uint8, device=device)
+    coll.broadcast(flat, group=group, group_src=root)
+    offset = 0
+    for i, size in enumerate(sizes.tolist()):
+        object_list[i] = _decode(flat[offset:offset + size], size)
+        offset += size
+    return None
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+    """``object_list[i]`` receives rank i's ``obj`` (``object_list`` has the group's size)."""
+    pg = resolve_group(group)
+    if pg is None:
+        return warn_not_member("all_gather_object")
+    if len(object_list) != pg.size:
+        raise ValueError(f"all_gather_object: object_list has {len(object_list)} items, expected {pg.size}")
+    device = _device(pg)
+    payload = _encode(obj, device)
+    sizes = _sizes(pg.size, device)
+    coll.all_gather_into_tensor(sizes, _sizes(1, device).fill_(payload.numel()), group=group)
+    longest = int(sizes.max())
+    padded = payload.new_zeros(longest)
+    padded[: payload.numel()] = payload
+    gathered = payload.new_empty(longest * pg.size)
+    coll.all_gather_into_tensor(gathered, padded, group=group)
+    for i, size in enumerate(sizes.tolist()):
+        object_list[i] = _decode(gathered[i * longest:(i + 1) * longest], size)
+    return None
+
+
+def gather_object(obj: Any, object_gather_list: Optional[list[Any]] = None, dst: Optional[int] = None,
+                  group: Any = None) -> None:
+    """On rank ``dst`` (default 0), ``object_gather_list[i]`` receives rank i's ``obj``."""
+    pg = resolve_group(group)
+    if pg is None:
+        return warn_not_member("gather_object")
+    gathered: list[Any] = [None] * pg.size
+    all_gather_object(gathered, obj, group=group)
+    root = pg.group_rank(dst if dst is not None else pg.ranks[0], "dst")
+    if pg.rank == root:
+        if object_gather_list is None or len(object_gather_list) != pg.size:
+            raise ValueError(f"gather_object: object_gather_list must have {pg.size} items on the destination rank")
+        object_gather_list[:] = gathered
+    return None
+
+
+def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: Optional[list[Any]] = None,
+                        src: Optional[int] = None, group: Any = None) -> None:
+    """``scatter_object_output_list[0]`` receives item i of rank ``src``'s input list on rank i."""
+    pg = resolve_group(group)
+    if pg is None:
+        return warn_not_member("scatter_object_list")
+    if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
+        raise ValueError("scatter_object_list: scatter_object_output_list must be a non-empty list")
+    root = pg.group_rank(src if src is not None else pg.ranks[0], "src")
+    items: list[Any] = list(scatter_object_input_list or []) if pg.rank == root else [None] * pg.size
+    if pg.rank == root and len(items) != pg.size:
+        raise ValueError(f"scatter_object_list: the source needs {pg.size} input objects, got {len(items)}")
+    broadcast_object_list(items, pg.ranks[root], group=group)
+    scatter_object_output_list[0] = items[pg.rank]
+    return None
+
+
+def send_object_list(object_list: list[Any], dst: int, group: Any = None) -> None:
+    """Send the objects of ``object_list`` to rank ``dst`` (see :func:`recv_object_list`)."""
+    pg = resolve_group(group)
+    if pg is None:
+        return warn_not_member("send_object_list")
+    device = _device(pg)
+    payloads = [_encode(obj, device) for obj in object_list]
+    sizes = _sizes(len(object_list), device)
+    for i, payload in enumerate(payloads):
+        sizes[i] = payload.numel()
+    p2p.send(sizes, dst, group=group)
+    import torch
+
+    p2p.send(torch.cat(payloads) if payloads else sizes.new_empty(0, dtype=torch.uint8), dst, group=group)
+
+
+def recv_object_list(object_list: list[Any], src: Optional[int] = None, group: Any = None) -> int:
+    """Fill ``object_list`` (same length as the sender's) with objects sent by ``src``
+    (None: any rank); returns the sender's rank."""
+    pg = resolve_group(group)
+    if pg is None:
+        warn_not_member("recv_object_list")
+        return -1
+    import torch
+
+    device = _device(pg)
+    sizes = _sizes(len(object_list), device)
+    sender = p2p.recv(sizes, src, group=group)
+    flat = torch.empty(int(sizes.sum()), dtype=torch.uint8, device=device)
+    p2p.recv(flat, sender, group=group)
+    offset = 0
+    for i, size in enumerate(sizes.tolist()):
+        object_list[i] = _decode(flat[offset:offset + size], size)
+        offset += size
+    return sender

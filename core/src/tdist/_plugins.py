@@ -1,0 +1,258 @@
+"""Plugin loading: the lazily created plugin manager and the registries plugins fill.
+
+Entry points in the group ``tdist`` are loaded on first use, each in isolation:
+a plugin that fails to import, or that was written for another major version of
+the hook contract, is recorded as unavailable with its reason and never breaks
+``import tdist`` or another plugin. ``TDIST_DISABLED_PLUGINS`` (comma-separated
+entry-point names) blocks named plugins.
+
+The core calls hooks only through :class:`Plugins`' typed methods.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import pluggy
+
+from . import hookspecs
+from ._backend import BackendSpec
+from ._errors import DistError
+
+__all__ = [
+    "BackendRegistry",
+    "RendezvousRegistry",
+    "RendezvousHandler",
+    "WorkInfo",
+    "PluginRecord",
+    "Plugins",
+    "plugins",
+    "reset_plugins",
+]
+
+ENTRY_POINT_GROUP = "tdist"
+DISABLE_ENV = "TDIST_DISABLED_PLUGINS"
+
+RendezvousHandler = Callable[..., tuple]
+
+
+class BackendRegistry:
+    """Collects the :class:`BackendSpec` objects plugins register (names are lower-case)."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, BackendSpec] = {}
+        self.current_plugin = ""
+
+    def add(self, spec: BackendSpec) -> None:
+        """Register ``spec``; a name registered twice is an error naming both plugins."""
+        name = spec.name.lower()
+        if name in self._specs:
+            raise DistError(
+                f"backend {name!r} registered twice (by {self._specs[name].distribution!r} "
+                f"and {self.current_plugin!r})"
+            )
+        if not spec.distribution:
+            spec = BackendSpec(**{**spec.__dict__, "name": name, "distribution": self.current_plugin})
+        self._specs[name] = spec
+
+    def get(self, name: str) -> Optional[BackendSpec]:
+        return self._specs.get(name.lower())
+
+    def names(self) -> list[str]:
+        return sorted(self._specs)
+
+    def specs(self) -> list[BackendSpec]:
+        return [self._specs[name] for name in self.names()]
+
+
+class RendezvousRegistry:
+    """Maps URL schemes (``env``, ``tcp``, ``file``, ...) to rendezvous handlers."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, RendezvousHandler] = {}
+
+    def add(self, scheme: str, handler: RendezvousHandler) -> None:
+        scheme = scheme.lower()
+        if scheme in self._handlers:
+            raise DistError(f"init method scheme {scheme!r}:// registered twice")
+        self._handlers[scheme] = handler
+
+    def get(self, scheme: str) -> Optional[RendezvousHandler]:
+        return self._handlers.get(scheme.lower())
+
+    def schemes(self) -> list[str]:
+        return sorted(self._handlers)
+
+
+@dataclass
+class WorkInfo:
+    """What the work hooks observe about one operation."""
+
+    op: str
+    group: str
+    seq: int
+    shapes: list[tuple[int, ...]]
+    dtype: str
+    nbytes: int
+    backend: str
+    issued_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class PluginRecord:
+    """One entry point: its name, distribution, version and load status."""
+
+    name: str
+    distribution: str
+    version: str
+    error: Optional[str] = None
+
+    @property
+    def loaded(self) -> bool:
+        return self.error is None
+
+
+def _disabled_names() -> set[str]:
+    return {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+
+
+def _version_error(plugin: Any) -> Optional[str]:
+    declared = getattr(plugin, "TDIST_HOOKSPEC_VERSION", None)
+    major, minor = hookspecs.HOOKSPEC_VERSION
+    if declared is None:
+        return f"does not declare TDIST_HOOKSPEC_VERSION (this tdist accepts {major}.0 to {major}.{minor})"
+    try:
+        got_major, got_minor = (int(part) for part in str(declared).split(".")[:2])
+    except ValueError:
+        return f"TDIST_HOOKSPEC_VERSION {declared!r} is not 'MAJOR.MINOR'"
+    if got_major != major or got_minor > minor:
+        return (
+            f"written for hook contract {declared}, but this tdist provides {major}.{minor} "
+            f"(compatible: {major}.0 to {major}.{minor})"
+        )
+    return None
+
+
+class Plugins:
+    """The loaded plugins and what they registered. Created by :func:`plugins`."""
+
+    def __init__(self, entry_points: Optional[Iterable[Any]] = None) -> None:
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self._pm.add_hookspecs(hookspecs)
+        self.records: list[PluginRecord] = []
+        self._loaded: list[tuple[PluginRecord, Any]] = []
+        eps = entry_points if entry_points is not None else importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        disabled = _disabled_names()
+        for ep in eps:
+            self._load(ep, disabled)
+        self.backends = BackendRegistry()
+        self.rendezvous = RendezvousRegistry()
+        for record, plugin in self._loaded:
+            self._register_from(record, plugin)
+        self._work_hooks = any(
+            getattr(self._pm.hook, name).get_hookimpls()
+            for name in ("tdist_work_issued", "tdist_work_completed", "tdist_work_failed")
+        )
+
+    def _load(self, ep: Any, disabled: set[str]) -> None:
+        dist = getattr(getattr(ep, "dist", None), "name", "") or ""
+        version = getattr(getattr(ep, "dist", None), "version", "") or ""
+        record = PluginRecord(ep.name, dist, version)
+        self.records.append(record)
+        if ep.name in disabled:
+            record.error = f"disabled by {DISABLE_ENV}"
+            return
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # a broken plugin must not break the others
+            record.error = f"failed to import: {type(exc).__name__}: {exc}"
+            return
+        problem = _version_error(plugin)
+        if problem:
+            record.error = problem
+            return
+        try:
+            self._pm.register(plugin, name=ep.name)
+        except Exception as exc:
+            record.error = f"rejected by the plugin manager: {exc}"
+            return
+        self._loaded.append((record, plugin))
+
+    def _register_from(self, record: PluginRecord, plugin: Any) -> None:
+        for hook_name, registry in (
+            ("tdist_register_backends", self.backends),
+            ("tdist_register_rendezvous", self.rendezvous),
+        ):
+            impl = getattr(plugin, hook_name, None)
+            if impl is None:
+                continue
+            self.backends.current_plugin = record.distribution or record.name
+            try:
+                impl(registry=registry)
+            except Exception as exc:
+                record.error = f"{hook_name} failed: {type(exc).__name__}: {exc}"
+
+    # ------------------------------------------------------------- typed calls
+    @property
+    def observes_work(self) -> bool:
+        """True when some plugin implements a work hook (else the core skips them)."""
+        return self._work_hooks
+
+    def work_issued(self, info: WorkInfo) -> None:
+        self._pm.hook.tdist_work_issued(info=info)
+
+    def work_completed(self, info: WorkInfo, duration: float) -> None:
+        self._pm.hook.tdist_work_completed(info=info, duration=duration)
+
+    def work_failed(self, info: WorkInfo, error: BaseException) -> None:
+        self._pm.hook.tdist_work_failed(info=info, error=error)
+
+    def default_backend(self, device: str) -> Optional[str]:
+        return self._pm.hook.tdist_default_backend(device=device)
+
+    def register(self, plugin: Any, name: str) -> None:
+        """Register an in-process plugin object (for tests and embedding)."""
+        problem = _version_error(plugin)
+        if problem:
+            raise DistError(f"plugin {name!r} refused: {problem}")
+        record = PluginRecord(name, name, "")
+        self.records.append(record)
+        self._pm.register(plugin, name=name)
+        self._register_from(record, plugin)
+        self._work_hooks = self._work_hooks or any(
+            hasattr(plugin, n) for n in ("tdist_work_issued", "tdist_work_completed", "tdist_work_failed")
+        )
+
+    def missing_backend_message(self, name: str) -> str:
+        """The error text for a backend that is not installed or not loadable."""
+        installed = ", ".join(self.backends.names()) or "none"
+        broken = [r for r in self.records if r.error and r.name == name]
+        if broken:
+            return f"backend {name!r} is installed but could not be loaded: {broken[0].error} (installed: {installed})"
+        return f"backend {name!r} is not installed (installed: {installed}); pip install tdist-{name}"
+
+
+_lock = threading.Lock()
+_plugins: Optional[Plugins] = None
+
+
+def plugins() -> Plugins:
+    """The process-wide :class:`Plugins`, loading entry points on first call."""
+    global _plugins
+    if _plugins is None:
+        with _lock:
+            if _plugins is None:
+                _plugins = Plugins()
+    return _plugins
+
+
+def reset_plugins() -> None:
+    """Forget loaded plugins so the next :func:`plugins` call loads entry points again."""
+    global _plugins
+    with _lock:
+        _plugins = None

@@ -1,0 +1,66 @@
+"""``tcp://host:port``: rank 0 hosts a TCPStore at ``host:port``, the others connect.
+
+``rank`` and ``world_size`` may also be given as URL query parameters
+(``tcp://10.1.1.20:23456?rank=1&world_size=4``). When no rank is given, ranks are
+assigned automatically in arrival order: the first process able to bind the
+address hosts the store; ``group_name`` lets several jobs share one address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import urllib.parse
+from datetime import timedelta
+
+from .._errors import DistError
+from .._store import TCPStore
+from .._store.base import Store
+from .common import job_store, merge_int, query_int
+
+__all__ = ["tcp_rendezvous", "connect_tcp_store"]
+
+
+def connect_tcp_store(host: str, port: int, rank: int, world_size: int, timeout: float) -> Store:
+    """The TCPStore for ``rank``: hosted by rank 0, a client elsewhere."""
+    return TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timedelta(seconds=timeout),
+                    wait_for_workers=False)
+
+
+def _is_multicast(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_multicast
+    except ValueError:
+        return False
+
+
+def tcp_rendezvous(
+    url: urllib.parse.SplitResult, *, rank: int, world_size: int, timeout: float, group_name: str
+) -> tuple[Store, int, int]:
+    where = urllib.parse.urlunsplit(url)
+    if not url.hostname:
+        raise ValueError(f"tcp:// rendezvous: host missing in {where!r} (expected tcp://host:port)")
+    try:
+        port = url.port
+    except ValueError:
+        raise ValueError(f"tcp:// rendezvous: invalid port in {where!r}") from None
+    if port is None:
+        raise ValueError(f"tcp:// rendezvous: port number missing in {where!r}")
+    if _is_multicast(url.hostname):
+        raise ValueError(
+            f"tcp:// rendezvous: {url.hostname} is a multicast address; tdist assigns ranks automatically with "
+            "a unicast address instead: tcp://<address of one host>:<port> without a rank"
+        )
+    rank = merge_int("tcp", "rank", rank, query_int(url, "rank", "tcp"))
+    world_size = merge_int("tcp", "world_size", world_size, query_int(url, "world_size", "tcp"))
+    if world_size < 1:
+        raise ValueError(f"tcp:// rendezvous: world_size is required (argument or ?world_size= in {where!r})")
+    if rank >= 0:
+        return job_store(connect_tcp_store(url.hostname, port, rank, world_size, timeout), group_name), rank, world_size
+    try:
+        store: Store = TCPStore(url.hostname, port, world_size, is_master=True,
+                                timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    except (OSError, DistError):
+        store = TCPStore(url.hostname, port, world_size, is_master=False,
+                         timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    store = job_store(store, group_name)
+    return store, store.add("auto_rank", 1) - 1, world_size

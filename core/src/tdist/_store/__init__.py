@@ -1,0 +1,9 @@
+"""Key-value stores: the :class:`Store` interface and its in-process, file and TCP implementations."""
+
+from .base import Store
+from .file_store import FileStore
+from .hash_store import HashStore
+from .prefix_store import PrefixStore
+from .tcp_store import TCPStore, TCPStoreServer
+
+__all__ = ["Store", "HashStore", "PrefixStore", "FileStore", "TCPStore", "TCPStoreServer"]

@@ -1,0 +1,110 @@
+"""Argument checks run before any communication. Every failure is a ValueError or
+TypeError whose message starts with the operation's name."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from ._groups import ProcessGroup
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["check_tensor", "check_tensor_list", "peer_rank", "check_same_dtype"]
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def check_tensor(operation: str, name: str, tensor: Any) -> "torch.Tensor":
+    """``tensor`` if it is a dense torch tensor, else a TypeError."""
+    torch = _torch()
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{operation}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise TypeError(f"{operation}: {name} is a sparse tensor; only dense tensors are supported")
+    return tensor
+
+
+def check_tensor_list(
+    operation: str, name: str, tensors: Any, length: Optional[int] = None, like: Optional["torch.Tensor"] = None,
+    same_numel: bool = True,
+) -> list["torch.Tensor"]:
+    """A non-empty list of tensors, of ``length`` items, each of ``like``'s dtype and
+    device (and number of elements, when ``same_numel``)."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{operation}: {name} must be a list of tensors, got {type(tensors).__name__}")
+    if not tensors:
+        raise ValueError(f"{operation}: {name} is empty")
+    if length is not None and len(tensors) != length:
+        raise ValueError(f"{operation}: {name} has {len(tensors)} tensors but the group has {length} ranks")
+    checked = [check_tensor(operation, f"{name}[{i}]", t) for i, t in enumerate(tensors)]
+    reference = like if like is not None else checked[0]
+    for i, t in enumerate(checked):
+        if t.dtype != reference.dtype:
+            raise ValueError(f"{operation}: {name}[{i}] has dtype {t.dtype}, expected {reference.dtype}")
+        if t.device.type != reference.device.type:
+            raise ValueError(f"{operation}: {name}[{i}] is on {t.device}, expected {reference.device.type}")
+        if same_numel and t.numel() != reference.numel():
+            raise ValueError(
+                f"{operation}: {name}[{i}] has {t.numel()} elements, expected {reference.numel()} "
+                f"(shape {tuple(t.shape)} vs {tuple(reference.shape)})"
+            )
+    return checked
+
+
+def check_same_dtype(operation: str, a_name: str, a: "torch.Tensor", b_name: str, b: "torch.Tensor") -> None:
+    if a.dtype != b.dtype:
+        raise ValueError(f"{operation}: {a_name} has dtype {a.dtype} but {b_name} has {b.dtype}")
+    if a.device.type != b.device.type:
+        raise ValueError(f"{operation}: {a_name} is on {a.device} but {b_name} is on {b.device}")
+
+
+def peer_rank(
+    operation: str, pg: ProcessGroup, name: str, global_rank: Optional[int], group_rank: Optional[int],
+    allow_self: bool = True, default: Optional[int] = None,
+) -> int:
+    """The group rank named by a global ``name=`` or a ``group_name=`` argument."""
+    if global_rank is not None and group_rank is not None:
+        raise ValueError(f"{operation}: pass either {name} or group_{name}, not both")
+    if group_rank is not None:
+        if not isinstance(group_rank, int) or isinstance(group_rank, bool) or not 0 <= group_rank < pg.size:
+            raise ValueError(f"{operation}: group_{name}={group_rank!r} is out of range for a group of size {pg.size}")
+        result = group_rank
+    elif global_rank is not None:
+        if not isinstance(global_rank, int) or isinstance(global_rank, bool):
+            raise TypeError(f"{operation}: {name} must be an int rank, got {global_rank!r}")
+        if not 0 <= global_rank:
+            raise ValueError(f"{operation}: {name}={global_rank} is not a valid rank")
+        try:
+            result = pg.group_rank(global_rank)
+        except ValueError:
+            raise ValueError(
+                f"{operation}: {name}={global_rank} is not a rank of group {pg.name!r} (its ranks: {pg.ranks})"
+            ) from None
+    elif default is not None:
+        result = default
+    else:
+        raise ValueError(f"{operation}: {name} is required")
+    if not allow_self and result == pg.rank:
+        raise ValueError(f"{operation}: {name}={pg.ranks[result]} is this process's own rank")
+    return result
+
+
+def check_splits(operation: str, name: str, splits: Optional[Sequence[int]], dim0: int, size: int) -> list[int]:
+    """Split sizes along dim 0 (even split when None), checked to sum to ``dim0``."""
+    if splits is None or len(splits) == 0:
+        if dim0 % size:
+            raise ValueError(f"{operation}: dim 0 ({dim0}) is not divisible by the group size {size}; pass {name}")
+        return [dim0 // size] * size
+    splits = list(splits)
+    if len(splits) != size:
+        raise ValueError(f"{operation}: {name} has {len(splits)} entries but the group has {size} ranks")
+    if any((not isinstance(s, int)) or s < 0 for s in splits):
+        raise ValueError(f"{operation}: {name} must be non-negative integers, got {splits}")
+    if sum(splits) != dim0:
+        raise ValueError(f"{operation}: {name} sums to {sum(splits)} but dim 0 of the tensor is {dim0}")
+    return splits

@@ -1,0 +1,208 @@
+"""Conformance bodies: process groups (new_group, rank translation, non-members,
+point-to-point inside a group, several overlapping groups, destroying a group),
+monitored_barrier and the multi-GPU API names on CPU tensor lists."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from ._registry import body
+from .helpers import (
+    assert_tensor,
+    assert_true,
+    backend_name,
+    cached_group,
+    check_world_works,
+    dist,
+    subgroup_ranks,
+    value,
+)
+
+__all__ = [
+    "group_queries",
+    "group_p2p",
+    "new_group_options",
+    "overlapping_groups",
+    "destroy_subgroup",
+    "monitored_barrier",
+    "multigpu_all_reduce",
+    "multigpu_broadcast",
+    "multigpu_reduce",
+    "multigpu_all_gather",
+]
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+@body
+def group_queries():
+    """get_rank/get_world_size/get_global_rank/get_group_rank/get_process_group_ranks on
+    subgroups (ranks given unsorted); non-members see rank -1 and size -1."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    shapes = [subgroup_ranks(n), sorted({n - 1, 0}, reverse=True)]  # [n-1, 0]: given in descending order
+    for ranks in shapes:
+        g = cached_group(ranks)
+        members = sorted(ranks)
+        if r in members:
+            me = members.index(r)
+            assert_true(dist.get_rank(g) == me, f"get_rank(group {ranks}) = {dist.get_rank(g)}, expected {me}")
+            assert_true(dist.get_world_size(g) == len(members), f"get_world_size(group {ranks}) = {dist.get_world_size(g)}")
+            assert_true(list(dist.get_process_group_ranks(g)) == members,
+                        f"get_process_group_ranks(group {ranks}) = {dist.get_process_group_ranks(g)}, expected {members}")
+            for i, m in enumerate(members):
+                assert_true(dist.get_global_rank(g, i) == m, f"get_global_rank(group {ranks}, {i}) = {dist.get_global_rank(g, i)}")
+                assert_true(dist.get_group_rank(g, m) == i, f"get_group_rank(group {ranks}, {m}) = {dist.get_group_rank(g, m)}")
+            assert_true(str(dist.get_backend(g)).lower() == backend_name().lower(), f"get_backend(group) = {dist.get_backend(g)!r}")
+        else:
+            assert_true(dist.get_rank(g) == -1, f"non-member get_rank(group {ranks}) = {dist.get_rank(g)}, expected -1")
+            assert_true(dist.get_world_size(g) == -1, f"non-member get_world_size(group {ranks}) = {dist.get_world_size(g)}, expected -1")
+    check_world_works("group queries")
+
+
+@body(min_world_size=2, requires=("recv_anysource",))
+def group_p2p():
+    """send/recv with group=: peers are global ranks, recv(src=None) returns the sender's global rank."""
+    torch = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    members = [1, 3] if n >= 4 else [0, 1]
+    g = cached_group(members)
+    a, b = members
+    if r == a:
+        dist.send(value(a, 3), dst=b, group=g)
+        t = torch.zeros(3)
+        got = dist.recv(t, src=b, group=g)
+        assert_tensor(t, value(b, 3), f"group recv from global rank {b}")
+        assert_true(got == b, f"recv(src={b}, group) returned {got!r}, expected global rank {b}")
+    elif r == b:
+        t = torch.zeros(3)
+        sender = dist.recv(t, group=g)
+        assert_true(sender == a, f"recv(src=None, group=...) returned {sender!r}, expected global rank {a}")
+        assert_tensor(t, value(a, 3), f"group recv from global rank {a}")
+        w = dist.isend(value(b, 3), dst=a, group=g)
+        w.wait()
+    dist.barrier()
+
+
+@body
+def new_group_options():
+    """new_group() without ranks is every rank; timeout= and backend= are accepted."""
+    torch = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    everyone = dist.new_group()
+    assert_true(list(dist.get_process_group_ranks(everyone)) == list(range(n)),
+                f"new_group() ranks {dist.get_process_group_ranks(everyone)}")
+    t = torch.ones(2) * r
+    dist.all_reduce(t, group=everyone)
+    assert_tensor(t, torch.ones(2) * (n * (n - 1) / 2), "all_reduce on new_group()")
+    g = dist.new_group(list(range(n)), timeout=timedelta(seconds=30), backend=backend_name())
+    t = torch.ones(2) * r
+    dist.all_reduce(t, group=g, op=dist.ReduceOp.MAX)
+    assert_tensor(t, torch.ones(2) * (n - 1), "all_reduce MAX on new_group(timeout=, backend=)")
+
+
+@body(min_world_size=2)
+def overlapping_groups():
+    """Operations on overlapping groups do not mix: each group's result is its own."""
+    torch = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    ga_ranks = [0, 1]
+    gb_ranks = list(range(1, n)) if n > 2 else [0, 1]
+    ga = cached_group(ga_ranks)
+    gb = cached_group(gb_ranks)
+    for round_ in range(3):
+        if r in ga_ranks:
+            t = torch.full((3,), float(r + 10 * round_))
+            dist.all_reduce(t, group=ga)
+            assert_tensor(t, torch.full((3,), float(sum(ga_ranks) + 20 * round_)), f"group A round {round_}")
+        if r in gb_ranks:
+            t = torch.full((3,), float(r * 100 + round_))
+            dist.all_reduce(t, group=gb)
+            assert_tensor(t, torch.full((3,), float(sum(gb_ranks) * 100 + len(gb_ranks) * round_)), f"group B round {round_}")
+        t = torch.full((1,), float(r))
+        dist.broadcast(t, src=n - 1)
+        assert_tensor(t, torch.full((1,), float(n - 1)), f"world broadcast round {round_}")
+
+
+@body
+def destroy_subgroup():
+    """destroy_process_group(group) releases a subgroup; the default group keeps working."""
+    torch = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    g = dist.new_group(list(range(n)))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=g)
+    assert_tensor(t, torch.ones(1) * n, "all_reduce before destroy")
+    dist.destroy_process_group(g)
+    assert_true(dist.is_initialized(), "destroying a subgroup de-initialised the default group")
+    check_world_works("destroy_process_group(subgroup)")
+
+
+@body(requires=("monitored_barrier",))
+def monitored_barrier():
+    """monitored_barrier passes when every rank arrives (also wait_all_ranks=True, and in a subgroup)."""
+    n = dist.get_world_size()
+    dist.monitored_barrier(timeout=timedelta(seconds=30))
+    dist.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
+    members = subgroup_ranks(n)
+    g = cached_group(members)
+    if dist.get_rank() in members:
+        dist.monitored_barrier(group=g, timeout=timedelta(seconds=30))
+    check_world_works("monitored_barrier")
+
+
+# ----------------------------------------------------------------------------- multi-GPU API names
+_K = 2  # tensors per rank ("devices")
+
+
+@body(requires=("multigpu",))
+def multigpu_all_reduce():
+    """all_reduce_multigpu: every tensor of every rank ends with the sum over all of them."""
+    torch = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    tensors = [value(r, 3, salt=k) for k in range(_K)]
+    dist.all_reduce_multigpu(tensors)
+    total = sum(value(q, 3, salt=k) for q in range(n) for k in range(_K))
+    for k in range(_K):
+        assert_tensor(tensors[k], total, f"all_reduce_multigpu tensor {k}")
+    del torch
+
+
+@body(requires=("multigpu",))
+def multigpu_broadcast():
+    """broadcast_multigpu: every tensor everywhere becomes src's tensor_list[src_tensor]."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    src = n - 1
+    tensors = [value(r, 4, salt=k) for k in range(_K)]
+    dist.broadcast_multigpu(tensors, src=src, src_tensor=1)
+    for k in range(_K):
+        assert_tensor(tensors[k], value(src, 4, salt=1), f"broadcast_multigpu tensor {k}")
+
+
+@body(requires=("multigpu",))
+def multigpu_reduce():
+    """reduce_multigpu: dst's tensor_list[dst_tensor] gets the sum over every tensor of every rank."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    tensors = [value(r, 2, salt=k) for k in range(_K)]
+    dist.reduce_multigpu(tensors, dst=0, dst_tensor=1)
+    if r == 0:
+        total = sum(value(q, 2, salt=k) for q in range(n) for k in range(_K))
+        assert_tensor(tensors[1], total, "reduce_multigpu result in dst_tensor")
+    dist.barrier()
+
+
+@body(requires=("multigpu",))
+def multigpu_all_gather():
+    """all_gather_multigpu: each output list holds every rank's every input, rank-major."""
+    torch = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    inputs = [value(r, 3, salt=k) for k in range(_K)]
+    outputs = [[torch.zeros(3) for _ in range(n * _K)] for _ in range(_K)]
+    dist.all_gather_multigpu(outputs, inputs)
+    for lst, out in enumerate(outputs):
+        for idx in range(n * _K):
+            q, k = divmod(idx, _K)
+            assert_tensor(out[idx], value(q, 3, salt=k), f"all_gather_multigpu list {lst} entry {idx}")

@@ -1,0 +1,769 @@
+"""The ``gloo`` backend: one ``torch.distributed.ProcessGroupGloo`` per tdist process group.
+
+The process group is built directly (never through torch's ``init_process_group``),
+rendezvousing through tdist's store seen as a ``torch.distributed.Store``
+(:class:`~tdist_gloo.store_bridge.StoreBridge`); a program may therefore use tdist
+and torch.distributed side by side in one process.
+
+What gloo lacks is built on what it has (see README.md for the table):
+
+* dtypes gloo cannot carry (int16, uint16/32/64, float8, complex for most
+  operations, ...) travel as their bytes for the operations that only move data;
+* reductions gloo cannot do on a dtype run on a wider one (int16/uint16/uint32 on
+  int64, float8 on float32) and are cast back; uint64 is reduced as int64 (MIN/MAX with
+  the sign bit flipped so the order is unsigned); complex SUM/AVG run on the real view,
+  complex PRODUCT on an all-gather followed by a local product;
+* PREMUL_SUM multiplies by the factor and sums; gloo's native AVG is used where it has one;
+* all_to_all with tensors of different sizes goes through alltoall_base;
+* CUDA reduce_scatter goes through allreduce.
+
+Combinations with no meaning (bitwise reductions of floating-point or complex
+tensors, MIN/MAX of complex ones, AVG of integers) raise ``ValueError`` naming the
+operation and the backend before anything is communicated.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import threading
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as _td
+
+import tdist
+from tdist import Backend, DistBackendError, DistBackendTimeoutError, DistError, ReduceOp, Work
+
+from . import BACKEND_NAME
+from .store_bridge import StoreBridge
+
+__all__ = ["GlooBackend", "GlooWork", "create_backend", "map_error", "local_address_for", "make_devices"]
+
+_c10d = torch._C._distributed_c10d
+_PG = _c10d.ProcessGroupGloo
+_R = _td.ReduceOp
+
+# ------------------------------------------------------------------- errors
+_TIMEOUT_MARKERS = ("timed out", "timeout", "deadline exceeded")
+
+
+def _is_timeout(exc: BaseException, message: str) -> bool:
+    if isinstance(exc, TimeoutError):
+        return True
+    low = message.lower()
+    return any(marker in low for marker in _TIMEOUT_MARKERS)
+
+
+def map_error(exc: BaseException, operation: str) -> BaseException:
+    """A tdist error for what gloo/torch raised during ``operation``, keeping its message.
+
+    tdist errors pass unchanged; gloo timeouts become :class:`DistBackendTimeoutError`,
+    everything else :class:`DistBackendError`; the original is the ``__cause__``.
+    """
+    if isinstance(exc, DistError) or not isinstance(exc, Exception):
+        return exc
+    message = str(exc).strip() or type(exc).__name__
+    cls = DistBackendTimeoutError if _is_timeout(exc, message) else DistBackendError
+    error = cls(f"{operation}: backend 'gloo' failed: {message}")
+    error.__cause__ = exc
+    return error
+
+
+# --------------------------------------------------------------------- work
+_STATE_LOCK = threading.Lock()  # guards the short registration/publication steps of every GlooWork
+
+
+class GlooWork(Work):
+    """A tdist :class:`~tdist.Work` over a torch gloo ``Work``.
+
+    The torch work is waited on exactly once (by ``wait()`` or a helper thread);
+    then the optional ``post`` step (copy-back or final arithmetic of an emulated
+    operation) runs and the error, if any, is mapped to a tdist error.
+    ``wait(timeout)`` does not hand the timeout to gloo (gloo would abort the
+    operation and close its connections): it waits for the helper thread instead,
+    and the operation goes on after a timed-out wait.
+    """
+
+    # Work.__init__ is deliberately not called: it allocates an Event, a Lock and a
+    # list per operation, which the common path (issue, then wait) does not need.
+    __slots__ = ("_work", "_post", "_done", "_anysource", "_pollable", "_wait_lock", "_watcher", "_own_callbacks")
+
+    def __init__(
+        self,
+        work: Any,
+        op: str,
+        result: Sequence[Any] = (),
+        post: Optional[Callable[[], None]] = None,
+        source: int = -1,
+        anysource: bool = False,
+        pollable: bool = True,
+    ) -> None:
+        self.op = op
+        self.default_timeout = None
+        self._work = work
+        self._result = result
+        self._post = post
+        self._exc: Optional[BaseException] = None
+        self._source_rank = source
+        self._anysource = anysource
+        self._pollable = pollable
+        self._done = False
+        self._wait_lock = threading.Lock()
+        self._event: Optional[threading.Event] = None
+        self._watcher: Optional[threading.Thread] = None
+        self._own_callbacks: Optional[list] = None
+
+    @classmethod
+    def done(cls, op: str, result: Sequence[Any] = ()) -> "GlooWork":
+        """A work that completed without communicating (e.g. nothing to send)."""
+        work = cls(None, op, result)
+        work._done = True
+        return work
+
+    # ------------------------------------------------------------ completion
+    def _complete(self) -> None:
+        """Block until gloo finished; post-process once; publish; run callbacks."""
+        with self._wait_lock:
+            if self._done:
+                return
+            try:
+                self._work.wait()
+                if self._anysource:
+                    self._source_rank = int(self._work._source_rank())
+                if self._post is not None:
+                    self._post()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+                self._exc = map_error(exc, self.op)
+            with _STATE_LOCK:
+                self._done = True
+                callbacks, self._own_callbacks = self._own_callbacks, None
+                event = self._event
+        if event is not None:
+            event.set()
+        if callbacks:
+            for callback in callbacks:
+                callback(self)
+
+    def _watch(self) -> None:
+        """Make sure a helper thread is waiting for completion (call with _STATE_LOCK held)."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._complete, name=f"tdist-gloo-{self.op}", daemon=True)
+            self._watcher.start()
+
+    def _wait_impl(self, timeout: Optional[float]) -> bool:
+        if self._done:
+            return True
+        if timeout is None:
+            self._complete()
+            return True
+        with _STATE_LOCK:
+            if self._done:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+            self._watch()
+        return event.wait(max(float(timeout), 0.0))
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the operation completes; re-raise its error. Returns True.
+
+        With ``timeout`` (seconds or timedelta) raise :class:`DistBackendTimeoutError`
+        if it has not completed by then (the operation itself goes on).
+        """
+        if timeout is None:
+            if not self._done:
+                self._complete()
+        else:
+            limit = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+            if not self._wait_impl(limit):
+                raise DistBackendTimeoutError(
+                    f"{self.op}: did not complete within {limit:g} s (Work.wait timeout, backend 'gloo')"
+                )
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the operation has finished (its outputs are then final)."""
+        if self._done:
+            return True
+        if self._pollable:
+            if self._work.is_completed():
+                self._complete()
+                return True
+            return False
+        # gloo's send/recv works only learn of completion inside wait(): a helper thread waits.
+        with _STATE_LOCK:
+            if not self._done:
+                self._watch()
+        return self._done
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._exc is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._exc if self.is_completed() else None
+
+    def result(self) -> list:
+        self.wait()
+        return list(self._result)
+
+    def source_rank(self) -> int:
+        self.wait()
+        if self._source_rank < 0:
+            raise DistBackendError(f"{self.op}: source_rank() is only defined for receives")
+        return self._source_rank
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
+        with _STATE_LOCK:
+            if not self._done:
+                if self._own_callbacks is None:
+                    self._own_callbacks = []
+                self._own_callbacks.append(callback)
+                self._watch()
+                return
+        callback(self)
+
+    def get_future(self) -> Any:
+        """A ``torch.futures.Future`` completed with :meth:`result` (or the mapped error)
+        once the operation, including any post-processing, is done."""
+        future: Any = torch.futures.Future()
+
+        def _resolve(work: Work) -> None:
+            if work._exc is not None:
+                future.set_exception(work._exc)
+            else:
+                future.set_result(list(work._result))
+
+        self.add_done_callback(_resolve)
+        return future
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done else ("failed" if self._exc else "done")
+        return f"<GlooWork {self.op} {state}>"
+
+
+# ------------------------------------------------------------ network device
+def _route_to(host: str) -> Optional[str]:
+    """The local address this machine uses to reach ``host`` (127.0.0.1 for loopback)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first
+    for family, _, _, _, sockaddr in infos:
+        try:
+            ip = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+        except ValueError:
+            continue
+        if ip.is_loopback or ip.is_unspecified:
+            return "127.0.0.1" if family == socket.AF_INET else "::1"
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((sockaddr[0], 9, *sockaddr[2:]))  # UDP connect sends nothing
+                return str(probe.getsockname()[0])
+        except OSError:
+            continue
+    return None
+
+
+def local_address_for(store: Any) -> Optional[str]:
+    """The address gloo should listen on for a job rendezvousing through ``store``.
+
+    127.0.0.1 for an in-process store or a TCP store on loopback; the address of the
+    interface that routes to the TCP store's host otherwise; None when unknown
+    (a file store: gloo's default device, the host name's address, is used).
+    """
+    while isinstance(store, tdist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, tdist.HashStore):
+        return "127.0.0.1"
+    host = getattr(store, "host", None) if isinstance(store, tdist.TCPStore) else None
+    if not host:
+        return None
+    return _route_to(str(host))
+
+
+def make_devices(store: Any, options: Mapping[str, Any]) -> list:
+    """gloo devices: ``options["gloo_interface"]`` or ``$GLOO_SOCKET_IFNAME`` (comma-separated
+    interface names, one device each), else ``options["gloo_hostname"]`` or
+    ``$TDIST_GLOO_HOSTNAME``, else the address that reaches the store's host."""
+    lazy = options.get("gloo_lazy_init")
+    extra = {} if lazy is None else {"lazy_init": bool(lazy)}
+    interfaces = options.get("gloo_interface") or os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if isinstance(interfaces, (list, tuple)):
+        interfaces = ",".join(interfaces)
+    names = [name.strip() for name in str(interfaces).split(",") if name.strip()]
+    if names:
+        return [_PG.create_device(interface=name, **extra) for name in names]
+    hostname = options.get("gloo_hostname") or os.environ.get("TDIST_GLOO_HOSTNAME", "")
+    if not hostname:
+        hostname = local_address_for(store) or ""
+    if hostname:
+        return [_PG.create_device(hostname=str(hostname), **extra)]
+    return [_PG.create_default_device(**extra)] if extra else [_PG.create_default_device()]
+
+
+# ------------------------------------------------------------- reductions
+_TORCH_OP = {
+    ReduceOp.SUM: _R.SUM,
+    ReduceOp.PRODUCT: _R.PRODUCT,
+    ReduceOp.MIN: _R.MIN,
+    ReduceOp.MAX: _R.MAX,
+    ReduceOp.BAND: _R.BAND,
+    ReduceOp.BOR: _R.BOR,
+    ReduceOp.BXOR: _R.BXOR,
+    ReduceOp.AVG: _R.AVG,
+    ReduceOp.PREMUL_SUM: _R.SUM,  # after multiplying by the factor
+}
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
+#: dtypes gloo reduces and moves itself.
+_GLOO_FLOATS = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+_GLOO_INTS = frozenset({torch.int8, torch.uint8, torch.int32, torch.int64})
+_GLOO_DTYPES = _GLOO_FLOATS | _GLOO_INTS | {torch.bool}
+#: integers gloo lacks, reduced as int64 and cast back (wrap-around is preserved).
+_WIDENED_INTS = frozenset(d for d in (torch.int16, getattr(torch, "uint16", None), getattr(torch, "uint32", None)) if d)
+_UINT64 = getattr(torch, "uint64", None)
+_SIGN_BIT = -(2**63)
+
+# plan kinds
+_NATIVE, _REAL, _WIDEN, _U64, _GATHER = range(5)
+
+
+class _Plan:
+    """How one (reduction, dtype) runs on gloo."""
+
+    __slots__ = ("kind", "torch_op", "compute", "prescale", "flip", "ar_opts", "rs_opts")
+
+    def __init__(self, kind: int, torch_op: Any, compute: Any = None, prescale: bool = False, flip: bool = False):
+        self.kind = kind
+        self.torch_op = torch_op
+        self.compute = compute
+        self.prescale = prescale
+        self.flip = flip
+        self.ar_opts = _c10d.AllreduceOptions()
+        self.ar_opts.reduceOp = torch_op
+        self.rs_opts = _c10d.ReduceScatterOptions()
+        self.rs_opts.reduceOp = torch_op
+
+
+def _unsupported(operation: str, op: ReduceOp, dtype: Any, why: str) -> ValueError:
+    return ValueError(f"{operation}: backend 'gloo' cannot reduce {dtype} tensors with ReduceOp.{op.name}: {why}")
+
+
+def _plan(op: ReduceOp, dtype: Any, operation: str, factor: Any) -> _Plan:
+    """Choose how to run reduction ``op`` on ``dtype``, or raise ValueError (nothing sent yet)."""
+    torch_op = _TORCH_OP[op]
+    premul = op is ReduceOp.PREMUL_SUM
+    if dtype.is_complex:
+        if op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM):
+            return _Plan(_REAL, torch_op, prescale=premul)
+        if op is ReduceOp.PRODUCT:
+            return _Plan(_GATHER, torch_op)
+        raise _unsupported(operation, op, dtype, "complex numbers have no order and no bits to combine")
+    if dtype.is_floating_point:
+        if op in _BITWISE:
+            raise _unsupported(operation, op, dtype, "bitwise reductions need integer or bool tensors")
+        if dtype in _GLOO_FLOATS:
+            return _Plan(_NATIVE, torch_op, prescale=premul)
+        if dtype.itemsize <= 4:  # float8 and other narrow formats: reduce in float32, round once
+            return _Plan(_WIDEN, torch_op, compute=torch.float32, prescale=premul)
+        raise _unsupported(operation, op, dtype, "gloo has no arithmetic for this dtype")
+    # integers and bool
+    if op is ReduceOp.AVG:
+        raise _unsupported(operation, op, dtype, "AVG needs floating-point or complex tensors")
+    if premul:
+        if dtype is torch.bool or _is_float_factor(factor):
+            raise _unsupported(operation, op, dtype, "PREMUL_SUM of integer tensors needs an integer factor")
+    if dtype in _GLOO_INTS or dtype is torch.bool:
+        if premul and dtype is torch.bool:
+            raise _unsupported(operation, op, dtype, "PREMUL_SUM is not defined for bool")
+        return _Plan(_NATIVE, torch_op, prescale=premul)
+    if dtype in _WIDENED_INTS:
+        return _Plan(_WIDEN, torch_op, compute=torch.int64, prescale=premul)
+    if _UINT64 is not None and dtype == _UINT64:
+        return _Plan(_U64, torch_op, compute=torch.int64, prescale=premul, flip=op in (ReduceOp.MIN, ReduceOp.MAX))
+    raise _unsupported(operation, op, dtype, "gloo has no arithmetic for this dtype")
+
+
+def _is_float_factor(factor: Any) -> bool:
+    if isinstance(factor, torch.Tensor):
+        return factor.dtype.is_floating_point or factor.dtype.is_complex
+    return isinstance(factor, (float, complex))
+
+
+def _factor_for(factor: Any, tensor: Any) -> Any:
+    """PREMUL_SUM's factor as something ``tensor.mul_`` accepts (0-dim, same device)."""
+    if isinstance(factor, torch.Tensor):
+        factor = factor.reshape(())
+        if factor.device != tensor.device:
+            factor = factor.to(tensor.device)
+    return factor
+
+
+def _io_buffer(plan: _Plan, tensor: Any, factor: Any) -> tuple:
+    """(buffer gloo reduces in place, finish step or None) for a tensor that is both
+    this rank's contribution and the place of the result (all_reduce, reduce)."""
+    kind = plan.kind
+    if kind == _NATIVE or kind == _REAL:
+        if plan.prescale:
+            tensor.mul_(_factor_for(factor, tensor))
+        return (torch.view_as_real(tensor) if kind == _REAL else tensor), None
+    if kind == _WIDEN:
+        buffer = tensor.to(plan.compute)
+        if plan.prescale:
+            buffer.mul_(_factor_for(factor, buffer))
+        return buffer, lambda: tensor.copy_(buffer)
+    # _U64: the int64 view of the same bits
+    buffer = tensor.view(torch.int64)
+    if plan.prescale:
+        buffer.mul_(_factor_for(factor, buffer))
+    if plan.flip:
+        buffer.bitwise_xor_(_SIGN_BIT)
+        return buffer, lambda: buffer.bitwise_xor_(_SIGN_BIT)
+    return buffer, None
+
+
+def _in_buffer(plan: _Plan, tensor: Any, factor: Any) -> Any:
+    """A buffer with this rank's contribution ``tensor`` (left unchanged)."""
+    kind = plan.kind
+    if kind == _NATIVE or kind == _REAL:
+        if plan.prescale:
+            tensor = tensor * _factor_for(factor, tensor)
+        return torch.view_as_real(tensor) if kind == _REAL else tensor
+    if kind == _WIDEN:
+        buffer = tensor.to(plan.compute)
+        if plan.prescale:
+            buffer.mul_(_factor_for(factor, buffer))
+        return buffer
+    buffer = tensor.view(torch.int64)
+    if plan.prescale:
+        buffer = buffer * _factor_for(factor, buffer)
+    if plan.flip:
+        buffer = buffer ^ _SIGN_BIT
+    return buffer
+
+
+def _out_buffer(plan: _Plan, tensor: Any) -> tuple:
+    """(buffer gloo writes the result to, finish step or None) for an output tensor."""
+    kind = plan.kind
+    if kind == _NATIVE:
+        return tensor, None
+    if kind == _REAL:
+        return torch.view_as_real(tensor), None
+    if kind == _WIDEN:
+        buffer = torch.empty(tensor.shape, dtype=plan.compute, device=tensor.device)
+        return buffer, lambda: tensor.copy_(buffer)
+    buffer = tensor.view(torch.int64)
+    if plan.flip:
+        return buffer, lambda: buffer.bitwise_xor_(_SIGN_BIT)
+    return buffer, None
+
+
+# ------------------------------------------------------------ data movement
+def _flat(tensor: Any) -> Any:
+    """A 1-D view gloo can carry: the tensor itself for gloo's dtypes, else its bytes."""
+    flat = tensor.view(-1)
+    return flat if tensor.dtype in _GLOO_DTYPES else flat.view(torch.uint8)
+
+
+def _rows(tensor: Any) -> Any:
+    """A 2-D (dim 0 × rest) view gloo can carry, for alltoall_base's row splits."""
+    if tensor.dtype in _GLOO_DTYPES:
+        return tensor
+    rest = 1
+    for extent in tensor.shape[1:]:
+        rest *= extent
+    return tensor.view(tensor.shape[0], rest).view(torch.uint8)
+
+
+def _chain(*steps: Optional[Callable[[], Any]]) -> Optional[Callable[[], None]]:
+    todo = [step for step in steps if step is not None]
+    if not todo:
+        return None
+    if len(todo) == 1:
+        return todo[0]  # type: ignore[return-value]
+
+    def run() -> None:
+        for step in todo:
+            step()
+
+    return run
+
+
+# ------------------------------------------------------------------ backend
+class GlooBackend(Backend):
+    """tdist's ``gloo`` backend: a ``ProcessGroupGloo`` for one tdist process group."""
+
+    name = BACKEND_NAME
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        options: Optional[Mapping[str, Any]] = None,
+        global_ranks: Optional[Sequence[int]] = None,
+    ) -> None:
+        super().__init__(rank, size, timeout)
+        options = dict(options or {})
+        self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(size))
+        self.store = store
+        self._bridge = StoreBridge(store)
+        gloo_options = _PG._Options()
+        gloo_options._timeout = timeout
+        threads = options.get("gloo_threads")
+        if threads:
+            gloo_options._threads = int(threads)
+        try:
+            gloo_options.global_ranks_in_group = self.global_ranks
+        except Exception:  # older torch: informative only
+            pass
+        try:
+            gloo_options._devices = make_devices(store, options)
+            self._pg = _PG(self._bridge, rank, size, gloo_options)
+        except Exception as exc:
+            message = str(exc).strip() or type(exc).__name__
+            if _is_timeout(exc, message):
+                cls: type = DistBackendTimeoutError
+            elif isinstance(exc, DistError):
+                raise
+            else:
+                cls = DistBackendError
+            raise cls(
+                f"gloo: rank {rank} of {size} could not connect its group (global ranks {self.global_ranks}) "
+                f"within {timeout.total_seconds():g} s: {message}"
+            ) from exc
+        self.gloo_devices = list(gloo_options._devices)
+        self._plans: dict = {}
+        self._bcast_opts: dict = {}
+        self._reduce_opts: dict = {}
+        self._gather_opts: dict = {}
+        self._scatter_opts: dict = {}
+        self._a2a_opts = _c10d.AllToAllOptions()
+        self._ag_opts = _c10d.AllgatherOptions()
+        self._barrier_opts = _c10d.BarrierOptions()
+        self._closed = False
+
+    @property
+    def process_group(self) -> Any:
+        """The underlying ``torch.distributed.ProcessGroupGloo``."""
+        return self._pg
+
+    def __repr__(self) -> str:
+        return f"<GlooBackend rank={self.rank} size={self.size} ranks={self.global_ranks}>"
+
+    # ---------------------------------------------------------------- helpers
+    def _plan_for(self, reduction: Any, dtype: Any, operation: str) -> _Plan:
+        key = (reduction.op, dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = _plan(reduction.op, dtype, operation, reduction.factor)
+            if reduction.op is not ReduceOp.PREMUL_SUM:  # PREMUL's plan depends on its factor
+                self._plans[key] = plan
+        return plan
+
+    def _options(self, cache: dict, factory: Callable[[], Any], root: int, torch_op: Any = None) -> Any:
+        key = (root, torch_op)
+        opts = cache.get(key)
+        if opts is None:
+            opts = factory()
+            opts.rootRank = root
+            if torch_op is not None:
+                opts.reduceOp = torch_op
+            cache[key] = opts
+        return opts
+
+    @staticmethod
+    def _call(operation: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            raise map_error(exc, operation) from exc
+
+    def _gathered_product(self, flat: Any, operation: str) -> tuple:
+        """All-gather ``flat`` (1-D) from every rank; returns (torch work, stacked (size × n))."""
+        stacked = torch.empty((self.size, flat.numel()), dtype=flat.dtype, device=flat.device)
+        work = self._call(operation, self._pg._allgather_base, _flat(stacked), _flat(flat), self._ag_opts)
+        return work, stacked
+
+    # ---------------------------------------------------------- point-to-point
+    @staticmethod
+    def _tag(operation: str, tag: int) -> int:
+        if not 0 <= tag < 2**31:
+            raise ValueError(f"{operation}: backend 'gloo' needs a tag in 0 .. 2**31-1, got {tag}")
+        return tag
+
+    def send(self, tensor: Any, dst: int, tag: int) -> Work:
+        tag = self._tag("send", tag)
+        work = self._call("send", self._pg.send, [tensor], dst, tag)
+        return GlooWork(work, "send", (tensor,), pollable=False)
+
+    def recv(self, tensor: Any, src: Optional[int], tag: int) -> Work:
+        tag = self._tag("recv", tag)
+        if src is None:
+            work = self._call("recv", self._pg.recv_anysource, [tensor], tag)
+            return GlooWork(work, "recv", (tensor,), anysource=True, pollable=False)
+        work = self._call("recv", self._pg.recv, [tensor], src, tag)
+        return GlooWork(work, "recv", (tensor,), source=src, pollable=False)
+
+    # ------------------------------------------------------------- collectives
+    def broadcast(self, tensor: Any, src: int) -> Work:
+        opts = self._bcast_opts.get(src)
+        if opts is None:
+            opts = self._bcast_opts[src] = _c10d.BroadcastOptions()
+            opts.rootRank = src
+        buffer = tensor if tensor.dtype in _GLOO_DTYPES or tensor.dtype.is_complex else _flat(tensor)
+        try:
+            work = self._pg.broadcast([buffer], opts)
+        except Exception as exc:
+            raise map_error(exc, "broadcast") from exc
+        return GlooWork(work, "broadcast", (tensor,))
+
+    def all_reduce(self, tensor: Any, op: Any) -> Work:
+        plan = self._plans.get((op.op, tensor.dtype)) or self._plan_for(op, tensor.dtype, "all_reduce")
+        if plan.kind == _NATIVE and not plan.prescale:  # the common case: straight to gloo
+            try:
+                work = self._pg.allreduce([tensor], plan.ar_opts)
+            except Exception as exc:
+                raise map_error(exc, "all_reduce") from exc
+            return GlooWork(work, "all_reduce", (tensor,))
+        if plan.kind == _GATHER:
+            work, stacked = self._gathered_product(tensor.view(-1), "all_reduce")
+            return GlooWork(work, "all_reduce", (tensor,), post=lambda: tensor.view(-1).copy_(stacked.prod(dim=0)))
+        buffer, finish = _io_buffer(plan, tensor, op.factor)
+        work = self._call("all_reduce", self._pg.allreduce, [buffer], plan.ar_opts)
+        return GlooWork(work, "all_reduce", (tensor,), post=finish)
+
+    def reduce(self, tensor: Any, dst: int, op: Any) -> Work:
+        plan = self._plan_for(op, tensor.dtype, "reduce")
+        if plan.kind == _GATHER:
+            work, stacked = self._gathered_product(tensor.view(-1), "reduce")
+            post = (lambda: tensor.view(-1).copy_(stacked.prod(dim=0))) if self.rank == dst else None
+            return GlooWork(work, "reduce", (tensor,), post=post)
+        buffer, finish = _io_buffer(plan, tensor, op.factor)
+        opts = self._options(self._reduce_opts, _c10d.ReduceOptions, dst, plan.torch_op)
+        work = self._call("reduce", self._pg.reduce, [buffer], opts)
+        return GlooWork(work, "reduce", (tensor,), post=finish)
+
+    def all_gather(self, outputs: Sequence[Any], tensor: Any) -> Work:
+        flat_outputs = [[_flat(out) for out in outputs]]
+        work = self._call("all_gather", self._pg.allgather, flat_outputs, [_flat(tensor)], self._ag_opts)
+        return GlooWork(work, "all_gather", tuple(outputs))
+
+    def all_gather_into_tensor(self, output: Any, tensor: Any) -> Work:
+        work = self._call(
+            "all_gather_into_tensor", self._pg._allgather_base, _flat(output), _flat(tensor), self._ag_opts
+        )
+        return GlooWork(work, "all_gather_into_tensor", (output,))
+
+    def gather(self, tensor: Any, outputs: Optional[Sequence[Any]], dst: int) -> Work:
+        opts = self._options(self._gather_opts, _c10d.GatherOptions, dst)
+        flat_outputs = [[_flat(out) for out in outputs]] if self.rank == dst and outputs is not None else []
+        work = self._call("gather", self._pg.gather, flat_outputs, [_flat(tensor)], opts)
+        return GlooWork(work, "gather", tuple(outputs) if outputs is not None else ())
+
+    def scatter(self, tensor: Any, inputs: Optional[Sequence[Any]], src: int) -> Work:
+        opts = self._options(self._scatter_opts, _c10d.ScatterOptions, src)
+        flat_inputs = [[_flat(inp) for inp in inputs]] if self.rank == src and inputs is not None else []
+        work = self._call("scatter", self._pg.scatter, [_flat(tensor)], flat_inputs, opts)
+        return GlooWork(work, "scatter", (tensor,))
+
+    def reduce_scatter(self, output: Any, inputs: Sequence[Any], op: Any) -> Work:
+        plan = self._plan_for(op, output.dtype, "reduce_scatter")
+        if plan.kind == _GATHER or output.device.type != "cpu":
+            whole = torch.cat([t.reshape(-1) for t in inputs])
+            return self._reduce_scatter_whole("reduce_scatter", output, whole, op, plan)
+        out_buffer, finish = _out_buffer(plan, output)
+        in_buffers = [_in_buffer(plan, t, op.factor).reshape(-1) for t in inputs]
+        work = self._call(
+            "reduce_scatter", self._pg.reduce_scatter, [out_buffer.view(-1)], [in_buffers], plan.rs_opts
+        )
+        return GlooWork(work, "reduce_scatter", (output,), post=finish)
+
+    def reduce_scatter_tensor(self, output: Any, tensor: Any, op: Any) -> Work:
+        plan = self._plan_for(op, output.dtype, "reduce_scatter_tensor")
+        if plan.kind == _GATHER:
+            return self._reduce_scatter_whole("reduce_scatter_tensor", output, tensor.reshape(-1), op, plan)
+        out_buffer, finish = _out_buffer(plan, output)
+        in_buffer = _in_buffer(plan, tensor, op.factor)
+        work = self._call(
+            "reduce_scatter_tensor", self._pg._reduce_scatter_base, out_buffer.reshape(-1), in_buffer.reshape(-1),
+            plan.rs_opts,
+        )
+        return GlooWork(work, "reduce_scatter_tensor", (output,), post=finish)
+
+    def _reduce_scatter_whole(self, operation: str, output: Any, whole: Any, op: Any, plan: _Plan) -> Work:
+        """reduce_scatter as a reduction of the whole input followed by taking this rank's
+        chunk: the complex PRODUCT path (all-gather) and the CUDA path (allreduce)."""
+        n = output.numel()
+        lo, hi = self.rank * n, (self.rank + 1) * n
+        if plan.kind == _GATHER:
+            work, stacked = self._gathered_product(whole, operation)
+            return GlooWork(
+                work, operation, (output,), post=lambda: output.view(-1).copy_(stacked[:, lo:hi].prod(dim=0))
+            )
+        buffer, finish = _io_buffer(plan, whole, op.factor)
+        work = self._call(operation, self._pg.allreduce, [buffer], plan.ar_opts)
+        return GlooWork(work, operation, (output,), post=_chain(finish, lambda: output.view(-1).copy_(whole[lo:hi])))
+
+    def all_to_all(self, outputs: Sequence[Any], inputs: Sequence[Any]) -> Work:
+        flat_in = [_flat(t) for t in inputs]
+        flat_out = [_flat(t) for t in outputs]
+        in_sizes = [t.numel() for t in flat_in]
+        out_sizes = [t.numel() for t in flat_out]
+        send = torch.cat(flat_in)
+        recv = torch.empty(sum(out_sizes), dtype=send.dtype, device=send.device)
+        work = self._call("all_to_all", self._pg.alltoall_base, recv, send, out_sizes, in_sizes, self._a2a_opts)
+
+        def post() -> None:
+            for target, piece in zip(flat_out, recv.split(out_sizes)):
+                target.copy_(piece)
+
+        return GlooWork(work, "all_to_all", tuple(outputs), post=post)
+
+    def all_to_all_single(
+        self, output: Any, tensor: Any, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]
+    ) -> Work:
+        work = self._call(
+            "all_to_all_single", self._pg.alltoall_base, _rows(output), _rows(tensor), list(output_split_sizes),
+            list(input_split_sizes), self._a2a_opts,
+        )
+        return GlooWork(work, "all_to_all_single", (output,))
+
+    def barrier(self) -> Work:
+        work = self._call("barrier", self._pg.barrier, self._barrier_opts)
+        return GlooWork(work, "barrier")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        pg, self._pg = self._pg, None
+        try:
+            pg.shutdown()
+        except Exception:  # an already broken group has nothing left to release
+            pass
+
+
+def create_backend(
+    *,
+    store: Any,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    options: Optional[Mapping[str, Any]] = None,
+    global_ranks: Optional[Sequence[int]] = None,
+    **_ignored: Any,
+) -> GlooBackend:
+    """The tdist factory: a :class:`GlooBackend` for one process group."""
+    return GlooBackend(store, rank, world_size, timeout, options, global_ranks)

@@ -1,0 +1,162 @@
+"""torch dtypes and tdist reductions as MPI datatypes and operators; zero-copy buffers.
+
+Buffers are numpy views of the tensor's memory (``t.numpy()``, or a same-sized
+integer view for dtypes numpy lacks: bfloat16, complex32, float8), which mpi4py
+reads through the buffer protocol; nothing is pickled. Data that is only moved
+uses an unsigned type of the element's size; reductions use the element's own MPI
+type. float16/bfloat16 (and complex32) are reduced in float32 (complex64) staging
+buffers: MPI has no half-precision types, and the result is at least as accurate.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from tdist import DistBackendError, ReduceOp
+
+from . import _runtime
+
+__all__ = ["Plan", "Tables", "array", "reduction_plan"]
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_STAGED = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64}
+_FLOAT = (torch.float32, torch.float64)
+_COMPLEX = (torch.complex64, torch.complex128)
+_UNSIGNED = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
+_INTEGER = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + _UNSIGNED
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
+
+def array(t: torch.Tensor) -> Any:
+    """A numpy array sharing ``t``'s memory (``t`` contiguous), for mpi4py's buffer protocol."""
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError):
+        return _slow_array(t)
+
+
+def _slow_array(t: torch.Tensor) -> Any:
+    if t.device.type != "cpu":
+        return _device_buffer(t)
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        raise ValueError("mpi backend: tensor has a lazy conjugate/negative bit; call resolve_conj()/resolve_neg() first")
+    try:
+        return t.numpy()
+    except TypeError:  # a dtype numpy lacks: view the same bytes as an integer type
+        return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
+
+
+def _device_buffer(t: torch.Tensor) -> Any:
+    if t.device.type == "cuda" and _runtime.cuda_aware():
+        if t.requires_grad:
+            t = t.detach()
+        # MPI reads device memory directly: kernels queued on the stream must be done.
+        torch.cuda.current_stream(t.device).synchronize()
+        if t.dtype in _STAGED or t.dtype not in _REDUCE_KEYS:
+            t = t.view(_SAME_SIZE_INT.get(t.element_size(), t.dtype))
+        return t  # mpi4py takes it through __cuda_array_interface__ / DLPack
+    raise DistBackendError(
+        f"mpi backend: {t.device} tensors need a CUDA-aware MPI library and this one is not "
+        f"(set {_runtime.CUDA_ENV}=1 if it is); move the tensor to the CPU or use a GPU backend"
+    )
+
+
+_REDUCE_KEYS = _FLOAT + _COMPLEX + _INTEGER + (torch.bool,)
+
+
+class Plan:
+    """How to run one (dtype, ReduceOp): MPI datatype and operator, staging dtype,
+    divide by the group size afterwards (AVG), multiply by a factor first (PREMUL_SUM)."""
+
+    __slots__ = ("dt", "op", "stage", "avg", "premul", "direct")
+
+    def __init__(self, dt: Any, op: Any, stage: Optional[torch.dtype], avg: bool, premul: bool) -> None:
+        self.dt = dt
+        self.op = op
+        self.stage = stage
+        self.avg = avg
+        self.premul = premul
+        #: one MPI call on the tensor itself, nothing before or after
+        self.direct = stage is None and not avg and not premul
+
+
+class Tables:
+    """MPI datatypes and operators for torch dtypes, built once MPI is loaded."""
+
+    def __init__(self, MPI: Any) -> None:
+        self.MPI = MPI
+        by_size = {1: MPI.BYTE, 2: MPI.UINT16_T, 4: MPI.UINT32_T, 8: MPI.UINT64_T, 16: MPI.C_DOUBLE_COMPLEX}
+        self._by_size = by_size
+        self._xfer: dict[torch.dtype, Any] = {}
+        reduce_types = {
+            torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
+            torch.complex64: MPI.C_FLOAT_COMPLEX, torch.complex128: MPI.C_DOUBLE_COMPLEX,
+            torch.uint8: MPI.UINT8_T, torch.int8: MPI.INT8_T, torch.int16: MPI.INT16_T,
+            torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T, torch.bool: MPI.C_BOOL,
+        }
+        for name, mpi_name in (("uint16", "UINT16_T"), ("uint32", "UINT32_T"), ("uint64", "UINT64_T")):
+            if hasattr(torch, name):
+                reduce_types[getattr(torch, name)] = getattr(MPI, mpi_name)
+        self._reduce_types = reduce_types
+        self._ops = {
+            ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+            ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR,
+            ReduceOp.AVG: MPI.SUM, ReduceOp.PREMUL_SUM: MPI.SUM,
+        }
+        # MPI defines only logical operators on C_BOOL: torch's bool semantics (sum = or).
+        self._bool_ops = {
+            ReduceOp.SUM: MPI.LOR, ReduceOp.PRODUCT: MPI.LAND, ReduceOp.MIN: MPI.LAND, ReduceOp.MAX: MPI.LOR,
+            ReduceOp.BAND: MPI.LAND, ReduceOp.BOR: MPI.LOR, ReduceOp.BXOR: MPI.LXOR,
+        }
+        self._plans: dict[tuple[torch.dtype, ReduceOp], Plan] = {}
+
+    def xfer(self, dtype: torch.dtype) -> Any:
+        """The MPI datatype that moves elements of ``dtype`` (an unsigned type of its size)."""
+        dt = self._xfer.get(dtype)
+        if dt is None:
+            size = torch.empty((), dtype=dtype).element_size()
+            dt = self._xfer[dtype] = self._by_size.get(size, self.MPI.BYTE)
+        return dt
+
+    def plan(self, dtype: torch.dtype, op: ReduceOp, operation: str) -> Plan:
+        """The cached :class:`Plan`; a ValueError for a combination MPI cannot reduce."""
+        plan = self._plans.get((dtype, op))
+        if plan is None:
+            plan = self._plans[(dtype, op)] = reduction_plan(self, dtype, op, operation)
+        return plan
+
+
+def reduction_plan(tables: Tables, dtype: torch.dtype, op: ReduceOp, operation: str) -> Plan:
+    stage = _STAGED.get(dtype)
+    compute = stage or dtype
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"{operation}: ReduceOp.{op.name} is not supported for {dtype} tensors by the mpi backend ({what})")
+
+    if op in _BITWISE and compute not in _INTEGER + (torch.bool,):
+        raise refuse("bitwise operators need integer or bool tensors")
+    if compute in _COMPLEX and op not in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.AVG, ReduceOp.PREMUL_SUM):
+        raise refuse("complex tensors support SUM, PRODUCT, AVG and PREMUL_SUM")
+    if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) and compute not in _FLOAT + _COMPLEX:
+        raise refuse("AVG and PREMUL_SUM need floating-point or complex tensors")
+    dt = tables._reduce_types.get(compute)
+    if dt is None:
+        raise refuse("MPI has no reduction datatype for it")
+    mpi_op = (tables._bool_ops if compute is torch.bool else tables._ops).get(op)
+    if mpi_op is None:
+        raise refuse("unknown operator")
+    return Plan(dt, mpi_op, stage, op is ReduceOp.AVG, op is ReduceOp.PREMUL_SUM)
+
+
+def premul_factor(factor: Any) -> Any:
+    """PREMUL_SUM's factor as a Python number (it may be a one-element tensor)."""
+    if isinstance(factor, torch.Tensor):
+        return factor.reshape(()).item()
+    return factor
+
+
+Finalizer = Optional[Callable[[], None]]

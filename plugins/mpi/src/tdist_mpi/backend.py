@@ -1,0 +1,399 @@
+"""The ``mpi`` backend: every operation is one nonblocking MPI call on the group's
+communicator (Isend/Irecv, Ibcast, Iallreduce, ...), returned as an :class:`MPIWork`.
+
+Buffers are numpy views of the tensors (zero-copy through the buffer protocol);
+list-form collectives stage through one contiguous buffer. Reductions MPI cannot
+express directly are built around it: AVG = SUM then divide, PREMUL_SUM = multiply
+then SUM, float16/bfloat16 reduced in float32 staging buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from itertools import accumulate
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from tdist import Backend, DistBackendError, Reduction, Work
+
+from . import _work
+from ._dtypes import Plan, Tables, array, premul_factor
+from ._runtime import Runtime, mpi_error, runtime
+from ._work import MPIWork
+
+__all__ = ["MPIBackend", "create_backend"]
+
+MPIException: Any = None
+_tables: Optional[Tables] = None
+
+
+def _bind(rt: Runtime) -> Tables:
+    """Module-level names that need the loaded MPI (done once)."""
+    global MPIException, _tables
+    if _tables is None:
+        MPIException = rt.MPI.Exception
+        _work.MPIException = rt.MPI.Exception
+        _tables = Tables(rt.MPI)
+    return _tables
+
+
+def _offsets(counts: Sequence[int]) -> list[int]:
+    return [0, *accumulate(counts)][:-1]
+
+
+def _flat_cat(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    out = torch.cat([t.detach().reshape(-1) for t in tensors])
+    return out if dtype is None or out.dtype == dtype else out.to(dtype)
+
+
+class MPIBackend(Backend):
+    """One process group over one MPI communicator (group rank == communicator rank)."""
+
+    name = "mpi"
+
+    def __init__(self, rt: Runtime, comm: Any, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size, timeout)
+        MPI = rt.MPI
+        self._rt = rt
+        self._comm = comm
+        self._lock = rt.lock
+        self._wlock = None if rt.multiple else rt.lock  # what MPIWork takes around Test()
+        self._t = timeout.total_seconds()
+        self._tables = _bind(rt)
+        self._plans: dict[Any, Plan] = {}
+        self._IN_PLACE = MPI.IN_PLACE
+        self._ANY_SOURCE = MPI.ANY_SOURCE
+        self._Status = MPI.Status
+        tag_ub = comm.Get_attr(MPI.TAG_UB)
+        self._tag_ub = int(tag_ub) if tag_ub else 32767
+
+    # ------------------------------------------------------------------ helpers
+    def _issue(
+        self,
+        operation: str,
+        call: Callable[[], Any],
+        outputs: Sequence[Any] = (),
+        finalize: Optional[Callable[[], None]] = None,
+        keep: Any = None,
+        status: Any = None,
+    ) -> Work:
+        try:
+            with self._lock:
+                req = call()
+        except MPIException as exc:
+            raise mpi_error(operation, exc)
+        return MPIWork(operation, req, self._t, outputs, finalize, keep, status, self._wlock)
+
+    def _plan(self, dtype: torch.dtype, op: Reduction, operation: str) -> Plan:
+        key = (dtype, op.op)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._tables.plan(dtype, op.op, operation)
+        return plan
+
+    def _check_tag(self, operation: str, tag: int) -> None:
+        if not 0 <= tag <= self._tag_ub:
+            raise ValueError(f"{operation}: tag {tag} is outside the range MPI allows (0..{self._tag_ub})")
+
+    # ------------------------------------------------------------ point-to-point
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        if not 0 <= tag <= self._tag_ub:
+            self._check_tag("send", tag)
+        arr = array(tensor)
+        dt = self._tables.xfer(tensor.dtype)
+        comm = self._comm
+        return self._issue("send", lambda: comm.Isend([arr, dt], dst, tag), (tensor,), keep=arr)
+
+    def recv(self, tensor: torch.Tensor, src: Optional[int], tag: int) -> Work:
+        if not 0 <= tag <= self._tag_ub:
+            self._check_tag("recv", tag)
+        arr = array(tensor)
+        dt = self._tables.xfer(tensor.dtype)
+        source = self._ANY_SOURCE if src is None else src
+        comm = self._comm
+        return self._issue(
+            "recv", lambda: comm.Irecv([arr, dt], source, tag), (tensor,), keep=arr, status=self._Status()
+        )
+
+    # --------------------------------------------------------------- collectives
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        arr = array(tensor)
+        dt = self._tables.xfer(tensor.dtype)
+        comm = self._comm
+        return self._issue("broadcast", lambda: comm.Ibcast([arr, dt], src), (tensor,), keep=arr)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Reduction) -> Work:
+        plan = self._plans.get((tensor.dtype, op.op)) or self._plan(tensor.dtype, op, "all_reduce")
+        if plan.direct:  # the hot path: one Iallreduce in place on the tensor's memory
+            arr = array(tensor)
+            try:
+                if self._wlock is None:
+                    req = self._comm.Iallreduce(self._IN_PLACE, [arr, plan.dt], plan.op)
+                else:
+                    with self._wlock:
+                        req = self._comm.Iallreduce(self._IN_PLACE, [arr, plan.dt], plan.op)
+            except MPIException as exc:
+                raise mpi_error("all_reduce", exc)
+            return MPIWork("all_reduce", req, self._t, (tensor,), None, arr, None, self._wlock)
+        target = tensor.detach()
+        work = target.to(plan.stage) if plan.stage is not None else target
+        if plan.premul:
+            work.mul_(premul_factor(op.factor))
+        arr = array(work)
+        comm, size, in_place = self._comm, self.size, self._IN_PLACE
+
+        def finalize() -> None:
+            if plan.avg:
+                work.div_(size)
+            if work is not target:
+                target.copy_(work)
+
+        return self._issue(
+            "all_reduce", lambda: comm.Iallreduce(in_place, [arr, plan.dt], plan.op), (tensor,), finalize, arr
+        )
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: Reduction) -> Work:
+        plan = self._plan(tensor.dtype, op, "reduce")
+        root = self.rank == dst
+        target = tensor.detach()
+        if plan.stage is not None:
+            work = target.to(plan.stage)
+        elif plan.premul and not root:
+            work = target.clone()  # leave a non-root's input as it was
+        else:
+            work = target
+        if plan.premul:
+            work.mul_(premul_factor(op.factor))
+        arr = array(work)
+        comm, size, in_place = self._comm, self.size, self._IN_PLACE
+        if not root:
+            return self._issue(
+                "reduce", lambda: comm.Ireduce([arr, plan.dt], None, plan.op, dst), (tensor,), keep=arr
+            )
+        finalize = None
+        if plan.avg or work is not target:
+
+            def finalize() -> None:
+                if plan.avg:
+                    work.div_(size)
+                if work is not target:
+                    target.copy_(work)
+
+        return self._issue(
+            "reduce", lambda: comm.Ireduce(in_place, [arr, plan.dt], plan.op, dst), (tensor,), finalize, arr
+        )
+
+    def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> Work:
+        n = tensor.numel()
+        staging = torch.empty(self.size * n, dtype=tensor.dtype, device=tensor.device)
+        sarr, rarr = array(tensor), array(staging)
+        dt = self._tables.xfer(tensor.dtype)
+        comm = self._comm
+
+        def finalize() -> None:
+            rows = staging.view(self.size, n)
+            for i, out in enumerate(outputs):
+                out.detach().view(-1).copy_(rows[i])
+
+        return self._issue(
+            "all_gather", lambda: comm.Iallgather([sarr, dt], [rarr, dt]), list(outputs), finalize, (sarr, rarr)
+        )
+
+    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
+        sarr, rarr = array(tensor), array(output)
+        dt = self._tables.xfer(tensor.dtype)
+        comm = self._comm
+        return self._issue(
+            "all_gather_into_tensor", lambda: comm.Iallgather([sarr, dt], [rarr, dt]), (output,), keep=(sarr, rarr)
+        )
+
+    def gather(self, tensor: torch.Tensor, outputs: Optional[Sequence[torch.Tensor]], dst: int) -> Work:
+        sarr = array(tensor)
+        dt = self._tables.xfer(tensor.dtype)
+        comm = self._comm
+        if outputs is None:
+            return self._issue("gather", lambda: comm.Igather([sarr, dt], None, dst), (), keep=sarr)
+        n = tensor.numel()
+        staging = torch.empty(self.size * n, dtype=tensor.dtype, device=tensor.device)
+        rarr = array(staging)
+
+        def finalize() -> None:
+            rows = staging.view(self.size, n)
+            for i, out in enumerate(outputs):
+                out.detach().view(-1).copy_(rows[i])
+
+        return self._issue(
+            "gather", lambda: comm.Igather([sarr, dt], [rarr, dt], dst), list(outputs), finalize, (sarr, rarr)
+        )
+
+    def scatter(self, tensor: torch.Tensor, inputs: Optional[Sequence[torch.Tensor]], src: int) -> Work:
+        rarr = array(tensor)
+        dt = self._tables.xfer(tensor.dtype)
+        comm = self._comm
+        if inputs is None:
+            return self._issue("scatter", lambda: comm.Iscatter(None, [rarr, dt], src), (tensor,), keep=rarr)
+        send = _flat_cat(inputs)
+        sarr = array(send)
+        return self._issue(
+            "scatter", lambda: comm.Iscatter([sarr, dt], [rarr, dt], src), (tensor,), keep=(sarr, rarr, send)
+        )
+
+    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: Reduction) -> Work:
+        plan = self._plan(output.dtype, op, "reduce_scatter")
+        send = _flat_cat(inputs, plan.stage)
+        if plan.premul:
+            send.mul_(premul_factor(op.factor))
+        return self._reduce_scatter("reduce_scatter", output, send, plan)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, tensor: torch.Tensor, op: Reduction) -> Work:
+        plan = self._plan(output.dtype, op, "reduce_scatter_tensor")
+        send = tensor.detach()
+        if plan.stage is not None:
+            send = send.to(plan.stage)
+            if plan.premul:
+                send.mul_(premul_factor(op.factor))
+        elif plan.premul:
+            send = send * premul_factor(op.factor)
+        return self._reduce_scatter("reduce_scatter_tensor", output, send, plan)
+
+    def _reduce_scatter(self, operation: str, output: torch.Tensor, send: torch.Tensor, plan: Plan) -> Work:
+        target = output.detach()
+        recv = target if plan.stage is None else torch.empty(output.shape, dtype=plan.stage, device=output.device)
+        sarr, rarr = array(send), array(recv)
+        comm, size = self._comm, self.size
+        finalize = None
+        if plan.avg or recv is not target:
+
+            def finalize() -> None:
+                if plan.avg:
+                    recv.div_(size)
+                if recv is not target:
+                    target.copy_(recv)
+
+        return self._issue(
+            operation,
+            lambda: comm.Ireduce_scatter_block([sarr, plan.dt], [rarr, plan.dt], plan.op),
+            (output,),
+            finalize,
+            (sarr, rarr, send, recv),
+        )
+
+    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Work:
+        dtype = inputs[0].dtype
+        dt = self._tables.xfer(dtype)
+        scounts = [t.numel() for t in inputs]
+        rcounts = [t.numel() for t in outputs]
+        send = _flat_cat(inputs)
+        recv = torch.empty(sum(rcounts), dtype=dtype, device=inputs[0].device)
+        sarr, rarr = array(send), array(recv)
+        sspec = [sarr, (scounts, _offsets(scounts)), dt]
+        rspec = [rarr, (rcounts, _offsets(rcounts)), dt]
+        comm = self._comm
+
+        def finalize() -> None:
+            for out, piece in zip(outputs, recv.split(rcounts)):
+                out.detach().view(-1).copy_(piece)
+
+        return self._issue(
+            "all_to_all", lambda: comm.Ialltoallv(sspec, rspec), list(outputs), finalize, (sarr, rarr, send)
+        )
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> Work:
+        dt = self._tables.xfer(tensor.dtype)
+        sarr, rarr = array(tensor), array(output)
+        comm = self._comm
+        first = input_split_sizes[0] if input_split_sizes else 0
+        if all(s == first for s in input_split_sizes) and list(output_split_sizes) == list(input_split_sizes):
+            call = lambda: comm.Ialltoall([sarr, dt], [rarr, dt])  # noqa: E731
+        else:
+            row = math.prod(tensor.shape[1:])
+            scounts = [s * row for s in input_split_sizes]
+            rcounts = [s * row for s in output_split_sizes]
+            sspec = [sarr, (scounts, _offsets(scounts)), dt]
+            rspec = [rarr, (rcounts, _offsets(rcounts)), dt]
+            call = lambda: comm.Ialltoallv(sspec, rspec)  # noqa: E731
+        return self._issue("all_to_all_single", call, (output,), keep=(sarr, rarr))
+
+    def barrier(self) -> Work:
+        comm = self._comm
+        return self._issue("barrier", lambda: comm.Ibarrier())
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def comm(self) -> Any:
+        """The group's MPI communicator (an mpi4py ``Comm``)."""
+        return self._comm
+
+    def shutdown(self) -> None:
+        comm, self._comm = self._comm, None
+        MPI = self._rt.MPI
+        if comm is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+            try:
+                with self._lock:
+                    comm.Free()
+            except MPIException:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<MPIBackend rank {self.rank}/{self.size} {self._rt.thread_level_name}>"
+
+
+def create_backend(
+    *,
+    store: Any = None,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    options: Optional[dict] = None,
+    global_ranks: Optional[Sequence[int]] = None,
+) -> MPIBackend:
+    """The factory: a communicator over ``global_ranks`` (MPI COMM_WORLD ranks).
+
+    The whole world gets ``COMM_WORLD.Dup()``; a subgroup gets
+    ``COMM_WORLD.Create_group(group.Incl(global_ranks))``, collective over its members only.
+    """
+    rt = runtime()
+    MPI = rt.MPI
+    _bind(rt)
+    ranks = list(global_ranks) if global_ranks is not None else list(range(world_size))
+    if len(ranks) != world_size or not 0 <= rank < world_size:
+        raise DistBackendError(f"mpi backend: rank {rank} / {len(ranks)} global ranks do not match world size {world_size}")
+    me = ranks[rank]
+    if rt.world_size == 1 and len(ranks) > 1:
+        raise DistBackendError(
+            f"mpi backend: a group of {len(ranks)} ranks, but this process is not part of an MPI job "
+            "(MPI_COMM_WORLD has 1 rank); start the program with mpirun -n N"
+        )
+    if me != rt.world_rank or max(ranks) >= rt.world_size:
+        raise DistBackendError(
+            f"mpi backend: tdist rank {me} is MPI rank {rt.world_rank} of {rt.world_size}; the mpi backend needs "
+            "tdist's ranks to be MPI_COMM_WORLD's ranks (use init_method='mpi://', this backend's default)"
+        )
+    world = rt.world
+    try:
+        with rt.lock:
+            if ranks == list(range(rt.world_size)):
+                comm = world.Dup()
+            else:
+                world_group = world.Get_group()
+                members = world_group.Incl(ranks)
+                try:
+                    comm = world.Create_group(members, 0)
+                finally:
+                    members.Free()
+                    world_group.Free()
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+    except MPI.Exception as exc:
+        raise mpi_error("creating the group's communicator", exc)
+    if comm.Get_rank() != rank:
+        comm.Free()
+        raise DistBackendError(f"mpi backend: communicator rank {comm.Get_rank()} differs from group rank {rank}")
+    return MPIBackend(rt, comm, rank, len(ranks), timeout)

@@ -1,0 +1,53 @@
+"""The tdist-mpi plugin: registers backend ``mpi`` and the ``mpi://`` init method.
+
+Importing this module loads neither mpi4py nor libmpi. Registration checks that
+mpi4py can load an MPI library (dlopen only, never MPI_Init); MPI is initialised
+by the ``mpi://`` rendezvous or the backend factory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tdist import ANY_SOURCE_OP, OPERATIONS, BackendSpec, hookimpl
+
+TDIST_HOOKSPEC_VERSION = "1.0"
+
+_OPS = frozenset(OPERATIONS) | {ANY_SOURCE_OP}
+
+
+def _factory(**kwargs: Any) -> Any:
+    from .backend import create_backend
+
+    return create_backend(**kwargs)
+
+
+def _mpi_rendezvous(url: Any, **kwargs: Any) -> Any:
+    from .rendezvous import mpi_rendezvous
+
+    return mpi_rendezvous(url, **kwargs)
+
+
+@hookimpl
+def tdist_register_backends(registry: Any) -> None:
+    from ._runtime import availability, cuda_aware
+
+    reason = availability()
+    operations = {"cpu": _OPS}
+    if reason is None and cuda_aware():
+        operations["cuda"] = _OPS
+    registry.add(
+        BackendSpec(
+            name="mpi",
+            factory=_factory,
+            operations=operations,
+            description="MPI through mpi4py (nonblocking MPI calls, zero-copy buffers); launch with mpirun",
+            available=reason,
+            default_init_method="mpi://",
+        )
+    )
+
+
+@hookimpl
+def tdist_register_rendezvous(registry: Any) -> None:
+    registry.add("mpi", _mpi_rendezvous)

@@ -1,0 +1,298 @@
+"""tdistrun / python -m tdist.launch: environment, arguments, output prefixes,
+failure propagation and clean shutdown (no orphan processes).
+
+The launcher runs in a subprocess (its own session, killed if a test fails);
+the worker scripts are written to tmp_path and need neither torch nor a backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import base_env, kill_session, pid_alive
+
+pytestmark = pytest.mark.timeout(90)
+
+LAUNCH = [sys.executable, "-m", "tdist.launch"]
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+REPORT = """
+import json, os, sys
+print(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in %r}}))
+""" % (ENV_KEYS,)
+
+
+def write(tmp_path: Path, name: str, code: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(code))
+    return str(path)
+
+
+def launch(args, timeout: float = 60, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """Run the launcher to completion; kill its whole session on timeout."""
+    proc = subprocess.Popen(
+        [*LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env or base_env(), cwd=cwd, start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"launcher did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    finally:
+        kill_session(proc.pid)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def reports(stdout: str) -> dict[int, dict]:
+    """{rank from the prefix: the JSON the worker printed}."""
+    found = {}
+    for line in stdout.splitlines():
+        assert line.startswith("[rank "), f"unprefixed line: {line!r}"
+        prefix, _, payload = line.partition("] ")
+        found[int(prefix[len("[rank "):])] = json.loads(payload)
+    return found
+
+
+def wait_for_lines(path: Path, count: int, timeout: float = 30) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            lines = path.read_text().split()
+            if len(lines) >= count:
+                return lines
+        time.sleep(0.05)
+    raise AssertionError(f"{path}: expected {count} lines within {timeout} s, got {path.read_text() if path.exists() else 'no file'}")
+
+
+def all_dead(pids, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(pid_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# --------------------------------------------------------------------------- environment and arguments
+def test_sets_env_and_passes_local_rank(tmp_path):
+    script = write(tmp_path, "report.py", REPORT)
+    res = launch(["--nproc_per_node", "3", script, "a", "--flag"])
+    assert res.returncode == 0, res.stderr
+    found = reports(res.stdout)
+    assert sorted(found) == [0, 1, 2]
+    ports = {found[r]["env"]["MASTER_PORT"] for r in found}
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536  # one free port picked for the job
+    for rank, rep in found.items():
+        assert rep["argv"] == [f"--local_rank={rank}", "a", "--flag"]
+        env = rep["env"]
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "3"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["GROUP_RANK"] == "0"
+
+
+def test_use_env_and_dashed_spellings(tmp_path):
+    script = write(tmp_path, "report.py", REPORT)
+    res = launch(["--nproc-per-node=2", "--use-env", "--master-port", "29999", "--master-addr", "localhost", script, "x"])
+    assert res.returncode == 0, res.stderr
+    found = reports(res.stdout)
+    for rank, rep in found.items():
+        assert rep["argv"] == ["x"]  # no --local_rank with --use_env
+        assert rep["env"]["LOCAL_RANK"] == str(rank)
+        assert rep["env"]["MASTER_PORT"] == "29999" and rep["env"]["MASTER_ADDR"] == "localhost"
+
+
+def test_multi_node_ranks(tmp_path):
+    script = write(tmp_path, "report.py", REPORT)
+    res = launch(["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "2", "--master_addr", "10.0.0.1",
+                  "--master_port", "1234", "--use_env", script])
+    assert res.returncode == 0, res.stderr
+    found = reports(res.stdout)
+    assert sorted(found) == [2, 3]
+    for rank, rep in found.items():
+        env = rep["env"]
+        assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank - 2)
+        assert env["WORLD_SIZE"] == "4" and env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "1"
+        assert env["MASTER_ADDR"] == "10.0.0.1" and env["MASTER_PORT"] == "1234"
+
+
+def test_module_mode(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "job.py").write_text(REPORT)
+    env = base_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    res = launch(["--nproc_per_node", "2", "-m", "mypkg.job", "--lr", "0.1"], env=env)
+    assert res.returncode == 0, res.stderr
+    found = reports(res.stdout)
+    assert found[1]["argv"] == ["--local_rank=1", "--lr", "0.1"]
+
+
+def test_bad_arguments_fail_before_starting_anything(tmp_path):
+    script = write(tmp_path, "report.py", REPORT)
+    res = launch(["--nnodes", "2", "--node_rank", "2", script])
+    assert res.returncode == 2 and "--node_rank 2 is out of range" in res.stderr
+    res = launch(["--no_python", "/bin/true"])
+    assert res.returncode == 2 and "--use_env" in res.stderr
+    assert res.stdout == ""
+
+
+# --------------------------------------------------------------------------- output
+def test_prefixes_stdout_and_stderr_lines(tmp_path):
+    script = write(tmp_path, "talk.py", """
+        import os, sys
+        rank = os.environ["RANK"]
+        for i in range(3):
+            print(f"out {i} from {rank}")
+        print(f"err from {rank}", file=sys.stderr)
+        sys.stdout.write("no newline at the end")
+    """)
+    res = launch(["--nproc_per_node", "2", script])
+    assert res.returncode == 0, res.stderr
+    for rank in (0, 1):
+        for i in range(3):
+            assert f"[rank {rank}] out {i} from {rank}\n" in res.stdout
+        assert f"[rank {rank}] no newline at the end\n" in res.stdout
+        assert f"[rank {rank}] err from {rank}\n" in res.stderr
+    assert all(line.startswith("[rank ") for line in res.stdout.splitlines())
+
+
+@pytest.mark.parametrize("flag", ["--no-prefix", "--no_prefix"])
+def test_no_prefix(tmp_path, flag):
+    script = write(tmp_path, "talk.py", """
+        import os, sys
+        print("plain out", os.environ["RANK"])
+        print("plain err", os.environ["RANK"], file=sys.stderr)
+    """)
+    res = launch(["--nproc_per_node", "2", flag, script])
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["plain out 0", "plain out 1"]
+    assert sorted(res.stderr.splitlines()) == ["plain err 0", "plain err 1"]
+
+
+# --------------------------------------------------------------------------- failures and signals
+SLEEPER = """
+import os, signal, subprocess, sys, time
+rank = int(os.environ["RANK"])
+pids = [os.getpid()]
+if "--child" in sys.argv:  # a grandchild of the launcher, in the worker's session
+    pids.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]).pid)
+if "--ignore-term" in sys.argv and rank == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(sys.argv[-1], "a") as f:
+    f.write("".join(f"{p}\\n" for p in pids))
+print("started", flush=True)
+if "--fail" in sys.argv and rank == 1:
+    time.sleep(1.5)
+    print("rank 1 fails now", file=sys.stderr, flush=True)
+    sys.exit(3)
+if "--kill-self" in sys.argv and rank == 1:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    time.sleep(120)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(0)
+"""
+
+
+def test_failing_worker_stops_the_others_and_its_code_propagates(tmp_path):
+    script = write(tmp_path, "sleeper.py", SLEEPER)
+    pids_file = tmp_path / "pids"
+    start = time.monotonic()
+    res = launch(["--nproc_per_node", "3", "--grace-period", "2", "--use_env", script, "--fail", "--child",
+                  str(pids_file)])
+    elapsed = time.monotonic() - start
+    assert res.returncode == 3, res.stderr
+    assert "rank 1" in res.stderr and "exit code 3" in res.stderr
+    assert "[rank 1] rank 1 fails now" in res.stderr
+    assert elapsed < 30
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) >= 2
+    assert all_dead(pids), [p for p in pids if pid_alive(p)]
+
+
+def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
+    script = write(tmp_path, "sleeper.py", SLEEPER)
+    pids_file = tmp_path / "pids"
+    start = time.monotonic()
+    res = launch(["--nproc_per_node", "2", "--grace_period", "1", "--use_env", script, "--fail", "--ignore-term",
+                  str(pids_file)])
+    assert res.returncode == 3
+    assert "SIGKILL" in res.stderr and "rank(s) [0]" in res.stderr
+    assert time.monotonic() - start < 30
+    assert all_dead([int(p) for p in pids_file.read_text().split()])
+
+
+def test_worker_killed_by_a_signal(tmp_path):
+    script = write(tmp_path, "sleeper.py", SLEEPER)
+    res = launch(["--nproc_per_node", "2", "--grace_period", "1", "--use_env", script, "--kill-self",
+                  str(tmp_path / "pids")])
+    assert res.returncode == 128 + signal.SIGKILL
+    assert "rank 1" in res.stderr and "SIGKILL" in res.stderr
+
+
+def _start_and_wait(tmp_path, extra, count):
+    script = write(tmp_path, "sleeper.py", SLEEPER)
+    pids_file = tmp_path / "pids"
+    proc = subprocess.Popen(
+        [*LAUNCH, "--nproc_per_node", "2", "--grace_period", "3", "--use_env", script, *extra, str(pids_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(), start_new_session=True,
+    )
+    try:
+        pids = [int(p) for p in wait_for_lines(pids_file, count)]
+    except BaseException:
+        kill_session(proc.pid)
+        proc.communicate()
+        raise
+    return proc, pids
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_launcher_is_forwarded_and_leaves_no_orphans(tmp_path, signum):
+    proc, pids = _start_and_wait(tmp_path, ["--child"], 4)
+    try:
+        time.sleep(0.3)  # let the workers reach their sleep (and KeyboardInterrupt handler)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        kill_session(proc.pid)
+    assert proc.returncode == 128 + signum, err
+    assert signal.Signals(signum).name in err
+    if signum == signal.SIGINT:
+        assert out.count("interrupted") == 2, out  # the workers got the SIGINT itself
+    assert all_dead(pids), [p for p in pids if pid_alive(p)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    proc, pids = _start_and_wait(tmp_path, [], 2)
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+        assert all_dead(pids), [p for p in pids if pid_alive(p)]
+    finally:
+        for pid in pids:
+            kill_session(pid)
+
+
+def test_tdistrun_console_script(tmp_path):
+    tdistrun = Path(sys.executable).parent / "tdistrun"
+    if not tdistrun.exists():
+        pytest.skip("tdistrun is not installed (pip install -e core)")
+    script = write(tmp_path, "report.py", REPORT)
+    res = subprocess.run([str(tdistrun), "--nproc_per_node", "2", script], capture_output=True, text=True,
+                         env=base_env(), timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert sorted(reports(res.stdout)) == [0, 1]

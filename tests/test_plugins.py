@@ -1,0 +1,93 @@
+"""Plugin loading: isolation of broken plugins, disabling, the versioned contract."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+import tdist
+from tdist._plugins import Plugins
+
+
+class FakeEntryPoint:
+    def __init__(self, name: str, target: object, dist: str = "fake-dist", version: str = "1.2.3") -> None:
+        self.name = name
+        self._target = target
+        self.dist = types.SimpleNamespace(name=dist, version=version)
+
+    def load(self) -> object:
+        if isinstance(self._target, BaseException):
+            raise self._target
+        return self._target
+
+
+def make_backend_plugin(name: str, version: str = "1.0") -> types.ModuleType:
+    module = types.ModuleType(f"plugin_{name}")
+    module.TDIST_HOOKSPEC_VERSION = version
+
+    @tdist.hookimpl
+    def tdist_register_backends(registry):
+        registry.add(tdist.BackendSpec(name=name, factory=lambda **kw: None, operations={"cpu": frozenset({"barrier"})}))
+
+    module.tdist_register_backends = tdist_register_backends
+    return module
+
+
+def test_broken_plugin_is_isolated_and_reported():
+    good = make_backend_plugin("good")
+    broken = FakeEntryPoint("broken", ImportError("No module named 'cupy'"))
+    loaded = Plugins([broken, FakeEntryPoint("good", good)])
+    assert loaded.backends.names() == ["good"]
+    record = next(r for r in loaded.records if r.name == "broken")
+    assert not record.loaded and "No module named 'cupy'" in record.error
+    assert "could not be loaded" in loaded.missing_backend_message("broken")
+
+
+def test_disabled_plugins_env(monkeypatch):
+    monkeypatch.setenv("TDIST_DISABLED_PLUGINS", "good, other")
+    loaded = Plugins([FakeEntryPoint("good", make_backend_plugin("good"))])
+    assert loaded.backends.names() == []
+    assert "TDIST_DISABLED_PLUGINS" in loaded.records[0].error
+
+
+@pytest.mark.parametrize("version", ["2.0", "1.9", None, "x"])
+def test_incompatible_contract_version_is_refused(version):
+    plugin = make_backend_plugin("future", version)
+    if version is None:
+        del plugin.TDIST_HOOKSPEC_VERSION
+    loaded = Plugins([FakeEntryPoint("future", plugin)])
+    assert loaded.backends.names() == []
+    assert "1.0" in loaded.records[0].error  # says which versions fit
+
+
+def test_duplicate_backend_name_reported():
+    loaded = Plugins([FakeEntryPoint("a", make_backend_plugin("same")), FakeEntryPoint("b", make_backend_plugin("same"))])
+    assert loaded.backends.names() == ["same"]
+    assert "registered twice" in loaded.records[1].error
+
+
+def test_missing_backend_message_names_installed_and_package():
+    loaded = Plugins([FakeEntryPoint("good", make_backend_plugin("good"))])
+    message = loaded.missing_backend_message("nccl")
+    assert "installed: good" in message and "pip install tdist-nccl" in message
+
+
+def test_import_tdist_loads_no_backend_dependency():
+    code = (
+        "import sys, tdist; bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('mpi4py', 'cupy', 'tdist_tcp', 'tdist_gloo', 'tdist_mpi', 'tdist_nccl')]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_builtin_rendezvous_registered_through_entry_points():
+    assert {"env", "tcp", "file"} <= set(tdist._plugins.plugins().rendezvous.schemes())
+
+
+def test_info_lists_backends_and_table():
+    out = subprocess.run([sys.executable, "-m", "tdist", "info"], capture_output=True, text=True, check=True).stdout
+    assert "tcp" in out and "all_reduce" in out and "env://" in out
