@@ -29,7 +29,7 @@ test: venv
 	$(PY) -m pytest -q
 
 demo: venv
-	$(PY) examples/dist_sgd.py --world-size 4 --backend tcp
+	$(VENV)/bin/tdistrun --nproc_per_node 4 examples/train.py --backend tcp
 
 clean:
 	rm -rf $(VENV) build */*.egg-info plugins/*/src/*.egg-info core/src/*.egg-info

@@ -87,8 +87,33 @@ def grads_of(module: nn.Module) -> dict[str, object]:
     return {k: (None if v.grad is None else v.grad.detach().clone()) for k, v in module.named_parameters()}
 
 
-def sgd(module: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+class SGD:
+    """SGD with momentum, as torch.optim.SGD(lr, momentum) computes it. Not torch.optim
+    itself: its first construction imports torch._dynamo (seconds of CPU per process)."""
+
+    def __init__(self, params, lr: float = 0.1, momentum: float = 0.9) -> None:
+        self.params = list(params)
+        self.lr, self.momentum = lr, momentum
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            if i in self.buffers:
+                self.buffers[i].mul_(self.momentum).add_(p.grad)
+            else:
+                self.buffers[i] = p.grad.clone()
+            p.add_(self.buffers[i], alpha=-self.lr)
+
+
+def sgd(module: nn.Module) -> SGD:
+    return SGD(module.parameters())
 
 
 # --------------------------------------------------------------------------- references (one process)

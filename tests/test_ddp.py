@@ -1,13 +1,17 @@
 """tdist.nn.DistributedDataParallel: two replicas on half batches against one
 process on the full batch, no_sync, unused parameters, buffers, buckets.
 
-The scenarios run in real processes (tests/ddp_scenarios.py, 2 ranks, env://)
-once per backend; each test checks one scenario's saved results.
+The scenarios run in real processes (tests/ddp_scenarios.py, 2 ranks) once per
+installed CPU backend (tcp, gloo: env://; mpi: under mpirun); each test checks
+one scenario's saved results.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -16,7 +20,7 @@ torch = pytest.importorskip("torch")
 import tdist  # noqa: E402
 
 import ddp_scenarios as S  # noqa: E402
-from jobs import TESTS, python_job  # noqa: E402
+from jobs import ROOT, TESTS, base_env, kill_session, python_job, run_job  # noqa: E402
 
 WORLD_SIZE = 2
 TOLERANCE = 1e-5
@@ -24,23 +28,34 @@ JOB_TIMEOUT = 180
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(JOB_TIMEOUT + 60)]
 
 
+def _mpirun():
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return here if os.access(here, os.X_OK) else shutil.which("mpirun")
+
+
 def _backends() -> list[str]:
-    """tcp always (ours); other installed CPU backends that env:// can start."""
+    """tcp always (ours); the other installed CPU backends: gloo (env://), mpi (under mpirun)."""
     try:
-        others = [b for b in tdist.available_backends() if b in ("gloo",)]
+        others = [b for b in tdist.available_backends() if b == "gloo" or (b == "mpi" and _mpirun())]
     except Exception:
         others = []
-    return ["tcp"] + others
+    return ["tcp"] + sorted(others)
 
 
 @pytest.fixture(scope="module", params=_backends())
 def results(request, tmp_path_factory):
     backend = request.param
     out = tmp_path_factory.mktemp(f"ddp-{backend}")
-    script = os.path.join(TESTS, "ddp_scenarios.py")
-    job = python_job([script, "--backend", backend, "--out", str(out)], WORLD_SIZE, timeout=JOB_TIMEOUT)
+    args = [os.path.join(TESTS, "ddp_scenarios.py"), "--backend", backend, "--out", str(out)]
+    if backend == "mpi":
+        env = base_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                       OMPI_MCA_rmaps_base_oversubscribe="1")
+        cmd = [_mpirun(), "-n", str(WORLD_SIZE), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
+        job = run_job([cmd], [env], timeout=JOB_TIMEOUT)
+    else:
+        job = python_job(args, WORLD_SIZE, timeout=JOB_TIMEOUT)
     for rank, res in enumerate(job):
-        assert res.returncode == 0, f"rank {rank} exited with {res.returncode}\n{res.stdout}\n{res.stderr}"
+        assert res.returncode == 0, f"process {rank} exited with {res.returncode}\n{res.stdout}\n{res.stderr}"
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 
@@ -148,3 +163,20 @@ def test_needs_an_initialized_process_group():
         pytest.skip("a process group is initialized in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         DistributedDataParallel(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.timeout(120)
+def test_train_example_under_tdistrun():
+    """examples/train.py (the demo), small, launched by the launcher as `make demo` does."""
+    cmd = [sys.executable, "-m", "tdist.launch", "--nproc_per_node", "2", "--grace_period", "2",
+           os.path.join(ROOT, "examples", "train.py"), "--backend", "tcp", "--epochs", "2", "--samples", "1024"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(),
+                            cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=100)
+    finally:
+        kill_session(proc.pid)
+    assert proc.returncode == 0, f"{out}\n{err}"
+    assert "[rank 1] epoch 2/2: 4 steps" in out
+    assert "[rank 0]   replicas identical: yes" in out
+    assert "all-reduced gradients:" in out

@@ -10,8 +10,8 @@ any network I/O and run in this process.
 from __future__ import annotations
 
 import json
-import os
 import sys
+from datetime import timedelta
 
 import pytest
 
@@ -42,7 +42,7 @@ LAUNCHER_VARIABLES = {
     # name: (rank variable, size variable, extra variables the launcher also sets)
     "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", {"OMPI_COMM_WORLD_LOCAL_RANK": "{rank}"}),
     "pmi": ("PMI_RANK", "PMI_SIZE", {}),
-    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", {"SLURM_LOCALID": "{rank}", "SLURM_NNODES": "1"}),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", {"SLURM_LOCALID": "{rank}", "SLURM_NNODES": "1", "SLURM_STEP_ID": "0"}),
 }
 
 
@@ -99,8 +99,8 @@ def test_arguments_take_precedence_over_launcher_variables(tmp_path):
 
 
 @pytest.mark.slow
-def test_slurm_job_with_a_separate_master(tmp_path):
-    """Slurm variables for ranks, an Open MPI process list-style mix is not needed: 3 ranks."""
+def test_three_rank_slurm_job(tmp_path):
+    """srun -n 3: ranks 0..2 from SLURM_PROCID, the all_reduce sees all three."""
     port = free_port()
     reports = job(tmp_path, [launcher_env("slurm", r, 3, port) for r in range(3)])
     assert [r["rank"] for r in reports] == [0, 1, 2]
@@ -113,7 +113,7 @@ RANK_VARIABLES = [v for rank_var, size_var, _ in LAUNCHER_VARIABLES.values() for
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *RANK_VARIABLES):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_ID", *RANK_VARIABLES):
         monkeypatch.delenv(name, raising=False)
     yield monkeypatch
     if tdist.is_initialized():
@@ -129,13 +129,15 @@ def test_no_rank_anywhere(clean_env):
 def test_no_world_size_anywhere(clean_env):
     clean_env.setenv("MASTER_PORT", str(free_port()))
     clean_env.setenv("PMI_RANK", "0")
-    with pytest.raises(ValueError, match="WORLD_SIZE is not set"):
+    with pytest.raises(ValueError, match="PMI_RANK is set but PMI_SIZE is not"):
         tdist.init_process_group(BACKEND)
 
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHER_VARIABLES))
 def test_non_integer_launcher_variable_is_named(clean_env, launcher):
-    rank_var, size_var, _ = LAUNCHER_VARIABLES[launcher]
+    rank_var, size_var, extra = LAUNCHER_VARIABLES[launcher]
+    for name, value in extra.items():
+        clean_env.setenv(name, value.format(rank=0))
     clean_env.setenv(rank_var, "zero")
     clean_env.setenv(size_var, "2")
     clean_env.setenv("MASTER_PORT", str(free_port()))
@@ -147,14 +149,15 @@ def test_rank_out_of_range_from_launcher_variables(clean_env):
     clean_env.setenv("OMPI_COMM_WORLD_RANK", "2")
     clean_env.setenv("OMPI_COMM_WORLD_SIZE", "2")
     clean_env.setenv("MASTER_ADDR", "127.0.0.1")
-    clean_env.setenv("MASTER_PORT", str(free_port()))
+    clean_env.setenv("MASTER_PORT", str(free_port()))  # nobody listens: a check after connecting times out
     with pytest.raises(ValueError, match="rank 2 is out of range for world_size 2"):
-        tdist.init_process_group(BACKEND)
+        tdist.init_process_group(BACKEND, timeout=timedelta(seconds=2))
 
 
 def test_missing_master_port(clean_env):
     clean_env.setenv("SLURM_PROCID", "0")
     clean_env.setenv("SLURM_NTASKS", "1")
+    clean_env.setenv("SLURM_STEP_ID", "0")
     with pytest.raises(ValueError, match="MASTER_PORT is not set"):
         tdist.init_process_group(BACKEND)
 
@@ -164,4 +167,22 @@ def test_missing_master_addr_on_a_nonzero_rank(clean_env):
     clean_env.setenv("OMPI_COMM_WORLD_SIZE", "2")
     clean_env.setenv("MASTER_PORT", str(free_port()))
     with pytest.raises(ValueError, match="MASTER_ADDR is not set"):
+        tdist.init_process_group(BACKEND)
+
+
+def test_slurm_batch_script_variables_are_ignored(clean_env):
+    """Inside an sbatch script (no job step: SLURM_STEP_ID unset) SLURM_* do not make a world."""
+    clean_env.setenv("SLURM_PROCID", "0")
+    clean_env.setenv("SLURM_NTASKS", "4")
+    clean_env.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(ValueError, match="RANK is not set"):
+        tdist.init_process_group(BACKEND)
+
+
+def test_rank_and_size_come_from_one_launcher(clean_env):
+    """OMPI_COMM_WORLD_RANK without OMPI_COMM_WORLD_SIZE is an error, not mixed with another launcher's size."""
+    clean_env.setenv("OMPI_COMM_WORLD_RANK", "0")
+    clean_env.setenv("PMI_SIZE", "2")
+    clean_env.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(ValueError, match="OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not"):
         tdist.init_process_group(BACKEND)

@@ -171,8 +171,8 @@ def test_prefixes_stdout_and_stderr_lines(tmp_path):
 def test_no_prefix(tmp_path, flag):
     script = write(tmp_path, "talk.py", """
         import os, sys
-        print("plain out", os.environ["RANK"])
-        print("plain err", os.environ["RANK"], file=sys.stderr)
+        sys.stdout.write("plain out %s\\n" % os.environ["RANK"])
+        sys.stderr.write("plain err %s\\n" % os.environ["RANK"])
     """)
     res = launch(["--nproc_per_node", "2", flag, script])
     assert res.returncode == 0, res.stderr

@@ -197,7 +197,8 @@ def init_process_group(
     scheme a plugin registers; mutually exclusive with ``store``. ``timeout`` bounds
     every blocking operation (default 30 minutes). ``group_name`` lets several jobs
     share one rendezvous (file path or address). ``pg_options`` are passed to the
-    backend factories.
+    backend factories, with ``device_id`` (the device this rank uses, which lets a
+    GPU backend connect eagerly) added as ``pg_options["device_id"]`` when given.
     """
     if STATE.world is not None:
         raise DistError("init_process_group: already initialized; call tdist.destroy_process_group() first")
@@ -206,6 +207,9 @@ def init_process_group(
     if not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
     _check_rank_args(rank, world_size)
+    options = dict(pg_options or {})
+    if device_id is not None:
+        options["device_id"] = device_id
     display, devices = _parse_backend(backend)
     if store is not None:
         if init_method is not None:
@@ -218,7 +222,7 @@ def init_process_group(
         store, rank, world_size = _rendezvous(init_method, rank, world_size, timeout, group_name)
     try:
         join(store, "tdist/init", rank, range(world_size), timeout)
-        world = _build_group("pg0", list(range(world_size)), rank, devices, display, store, timeout, pg_options or {})
+        world = _build_group("pg0", list(range(world_size)), rank, devices, display, store, timeout, options)
     except BaseException:
         store.close()
         raise
@@ -227,7 +231,7 @@ def init_process_group(
     STATE.store = store
     STATE.group_count = 0
     STATE.backend_name = display
-    STATE.options = dict(pg_options or {})
+    STATE.options = options
 
 
 def _default_init_method(devices: dict[str, str]) -> str:

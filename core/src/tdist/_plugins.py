@@ -124,17 +124,15 @@ def _disabled_names() -> set[str]:
 def _version_error(plugin: Any) -> Optional[str]:
     declared = getattr(plugin, "TDIST_HOOKSPEC_VERSION", None)
     major, minor = hookspecs.HOOKSPEC_VERSION
+    fits = f"this tdist accepts {major}.0 to {major}.{minor}"
     if declared is None:
-        return f"does not declare TDIST_HOOKSPEC_VERSION (this tdist accepts {major}.0 to {major}.{minor})"
+        return f"does not declare TDIST_HOOKSPEC_VERSION ({fits})"
     try:
-        got_major, got_minor = (int(part) for part in str(declared).split(".")[:2])
+        got_major, got_minor = (int(part) for part in str(declared).split("."))
     except ValueError:
-        return f"TDIST_HOOKSPEC_VERSION {declared!r} is not 'MAJOR.MINOR'"
+        return f"TDIST_HOOKSPEC_VERSION {declared!r} is not 'MAJOR.MINOR' ({fits})"
     if got_major != major or got_minor > minor:
-        return (
-            f"written for hook contract {declared}, but this tdist provides {major}.{minor} "
-            f"(compatible: {major}.0 to {major}.{minor})"
-        )
+        return f"written for hook contract {declared}, but {fits}"
     return None
 
 

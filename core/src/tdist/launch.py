@@ -21,7 +21,9 @@ Beyond ``torch.distributed.launch``:
 
 - with ``--nnodes=1`` and no ``--master_port``, a free port is picked;
 - each output line of a worker is prefixed with its rank (``[rank 2] ...``, on
-  stdout and stderr); ``--no_prefix`` turns that off;
+  stdout and stderr), live (``PYTHONUNBUFFERED=1``); ``--no_prefix`` turns that
+  off: workers then write to the launcher's streams directly, with Python's
+  usual buffering (set ``PYTHONUNBUFFERED=1`` yourself for live output);
 - when a worker exits with a non-zero status, the others get SIGTERM, then
   SIGKILL after ``--grace_period`` seconds, and the launcher exits with the
   failed worker's status, naming its rank;
@@ -131,7 +133,10 @@ def worker_specs(args: argparse.Namespace, environ: Optional[dict[str, str]] = N
         MASTER_PORT=str(args.master_port),
     )
     if not args.no_prefix:
-        base["PYTHONUNBUFFERED"] = "1"  # line by line through the pipes
+        # Line by line through the pipes. Not with --no_prefix, where workers share
+        # the launcher's streams: unbuffered, one print() is several writes that
+        # interleave with the other workers' (torch's launcher runs "python -u").
+        base["PYTHONUNBUFFERED"] = "1"
     if args.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
         base["OMP_NUM_THREADS"] = "1"  # as torch.distributed.launch: don't oversubscribe the cores
     specs = []
@@ -141,9 +146,9 @@ def worker_specs(args: argparse.Namespace, environ: Optional[dict[str, str]] = N
         if args.no_python:
             cmd = [args.training_script]
         elif args.module:
-            cmd = [sys.executable, "-u", "-m", args.training_script]
+            cmd = [sys.executable, "-m", args.training_script]
         else:
-            cmd = [sys.executable, "-u", args.training_script]
+            cmd = [sys.executable, args.training_script]
         if not args.use_env:
             cmd.append(f"--local_rank={local_rank}")
         cmd.extend(args.training_script_args)

@@ -8,7 +8,15 @@ from typing import Optional
 from .._store import PrefixStore
 from .._store.base import Store
 
-__all__ = ["query_int", "merge_int", "job_store"]
+__all__ = ["query_int", "merge_int", "job_store", "check_rank"]
+
+
+def check_rank(scheme: str, rank: int, world_size: int) -> None:
+    """Reject a rank outside ``0 .. world_size-1`` before connecting to anything."""
+    if rank >= 0 and world_size > 0 and rank >= world_size:
+        raise ValueError(
+            f"{scheme}:// rendezvous: rank {rank} is out of range for world_size {world_size} (0..{world_size - 1})"
+        )
 
 
 def query_int(url: urllib.parse.SplitResult, name: str, scheme: str) -> Optional[int]:
@@ -31,5 +39,6 @@ def merge_int(scheme: str, name: str, argument: int, *others: Optional[int]) -> 
 
 
 def job_store(store: Store, group_name: str) -> Store:
-    """Keys of one job, so that several jobs (``group_name``) can share a rendezvous."""
-    return PrefixStore(f"job/{group_name}", store) if group_name else store
+    """Keys of one job, so that several jobs (``group_name``) can share a rendezvous.
+    Closing the returned store closes ``store``."""
+    return PrefixStore(f"job/{group_name}", store, owns=True) if group_name else store

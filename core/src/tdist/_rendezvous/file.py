@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from .._store import FileStore
 from .._store.base import Store
-from .common import job_store, merge_int, query_int
+from .common import check_rank, job_store, merge_int, query_int
 
 __all__ = ["file_rendezvous"]
 
@@ -32,6 +32,7 @@ def file_rendezvous(
     world_size = merge_int("file", "world_size", world_size, query_int(url, "world_size", "file"))
     if world_size < 1:
         raise ValueError(f"file:// rendezvous: world_size is required (argument or ?world_size= in {where!r})")
+    check_rank("file", rank, world_size)
     store = job_store(
         FileStore(path, world_size if not group_name else -1, timeout=timedelta(seconds=timeout)), group_name
     )

@@ -15,7 +15,7 @@ from datetime import timedelta
 from .._errors import DistError
 from .._store import TCPStore
 from .._store.base import Store
-from .common import job_store, merge_int, query_int
+from .common import check_rank, job_store, merge_int, query_int
 
 __all__ = ["tcp_rendezvous", "connect_tcp_store"]
 
@@ -54,6 +54,7 @@ def tcp_rendezvous(
     world_size = merge_int("tcp", "world_size", world_size, query_int(url, "world_size", "tcp"))
     if world_size < 1:
         raise ValueError(f"tcp:// rendezvous: world_size is required (argument or ?world_size= in {where!r})")
+    check_rank("tcp", rank, world_size)
     if rank >= 0:
         return job_store(connect_tcp_store(url.hostname, port, rank, world_size, timeout), group_name), rank, world_size
     try:

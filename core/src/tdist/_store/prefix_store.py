@@ -17,15 +17,20 @@ class PrefixStore(Store):
     Several groups can share one store without their keys colliding. The timeout
     is the underlying store's (reading or setting it here reads or sets that one).
     ``num_keys`` is delegated: it counts *all* keys of the underlying store, not only
-    those under this prefix (as in torch). ``close`` does not close the underlying
-    store, which usually has other users.
+    those under this prefix (as in torch). ``close`` closes the underlying store
+    only when ``owns`` is True (a store usually has other users).
     """
 
-    def __init__(self, prefix: str, store: Store) -> None:
+    def __init__(self, prefix: str, store: Store, owns: bool = False) -> None:
         if not isinstance(store, Store):
             raise TypeError(f"PrefixStore: expected a Store, got {type(store).__name__}")
         self._prefix = prefix
         self._store = store
+        self._owns = owns
+
+    def close(self) -> None:
+        if self._owns:
+            self._store.close()
 
     @property
     def prefix(self) -> str:

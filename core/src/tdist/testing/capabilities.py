@@ -9,6 +9,7 @@ finer features the spec has no column for:
 ``multigpu``          the ``*_multigpu`` API names
 ``monitored_barrier`` :func:`monitored_barrier`
 ``p2p_tags``          ``tag=`` matching in send/recv
+``collective_mismatch``  detecting ranks that issue different collectives / sizes / dtypes / roots
 
 A tdist backend declares a finer feature unsupported by listing its key in
 ``BackendSpec.extra["unsupported"]``; an undeclared feature counts as supported.
@@ -18,7 +19,8 @@ the table below describes torch's own backends.
 An unsupported capability never skips a test silently: the body still runs and
 must fail with a clear error on every rank (the test is then reported as
 xfail, naming the capability); if it passes, the declaration is wrong and the
-test fails.
+test fails. A failure scenario needing an unsupported capability also runs and
+is reported as xfail when it fails (a pass is accepted there: detection may be partial).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ TORCH_BACKENDS: dict[str, dict[str, Any]] = {
     "gloo": {
         "operations": {"cpu": _ALL_OPS},
         "unsupported": {
+            "collective_mismatch": "torch gloo aborts or returns wrong data on mismatched sizes/dtypes",
             "reduce_op.PREMUL_SUM": "torch gloo: 'Cannot use ReduceOp.PREMUL_SUM with Gloo'",
             "multigpu": "torch.distributed 2.x removed the *_multigpu functions",
         },
@@ -67,6 +70,7 @@ TORCH_BACKENDS: dict[str, dict[str, Any]] = {
             "reduce_op.AVG": "torch mpi has no AVG",
             "multigpu": "torch.distributed 2.x removed the *_multigpu functions",
             "monitored_barrier": "monitored_barrier is gloo-only in torch",
+            "collective_mismatch": "MPI does not check that ranks issue matching collectives",
         },
     },
     "nccl": {

@@ -8,6 +8,7 @@ from datetime import timedelta
 
 from ._registry import body
 from .helpers import (
+    assert_equal,
     assert_tensor,
     assert_true,
     backend_name,
@@ -49,17 +50,16 @@ def group_queries():
         members = sorted(ranks)
         if r in members:
             me = members.index(r)
-            assert_true(dist.get_rank(g) == me, f"get_rank(group {ranks}) = {dist.get_rank(g)}, expected {me}")
-            assert_true(dist.get_world_size(g) == len(members), f"get_world_size(group {ranks}) = {dist.get_world_size(g)}")
-            assert_true(list(dist.get_process_group_ranks(g)) == members,
-                        f"get_process_group_ranks(group {ranks}) = {dist.get_process_group_ranks(g)}, expected {members}")
+            assert_equal(dist.get_rank(g), me, f"get_rank(group {ranks})")
+            assert_equal(dist.get_world_size(g), len(members), f"get_world_size(group {ranks})")
+            assert_equal(list(dist.get_process_group_ranks(g)), members, f"get_process_group_ranks(group {ranks})")
             for i, m in enumerate(members):
-                assert_true(dist.get_global_rank(g, i) == m, f"get_global_rank(group {ranks}, {i}) = {dist.get_global_rank(g, i)}")
-                assert_true(dist.get_group_rank(g, m) == i, f"get_group_rank(group {ranks}, {m}) = {dist.get_group_rank(g, m)}")
-            assert_true(str(dist.get_backend(g)).lower() == backend_name().lower(), f"get_backend(group) = {dist.get_backend(g)!r}")
+                assert_equal(dist.get_global_rank(g, i), m, f"get_global_rank(group {ranks}, {i})")
+                assert_equal(dist.get_group_rank(g, m), i, f"get_group_rank(group {ranks}, {m})")
+            assert_equal(str(dist.get_backend(g)).lower(), backend_name().lower(), f"get_backend(group {ranks})")
         else:
-            assert_true(dist.get_rank(g) == -1, f"non-member get_rank(group {ranks}) = {dist.get_rank(g)}, expected -1")
-            assert_true(dist.get_world_size(g) == -1, f"non-member get_world_size(group {ranks}) = {dist.get_world_size(g)}, expected -1")
+            assert_equal(dist.get_rank(g), -1, f"non-member get_rank(group {ranks})")
+            assert_equal(dist.get_world_size(g), -1, f"non-member get_world_size(group {ranks})")
     check_world_works("group queries")
 
 
@@ -121,7 +121,8 @@ def overlapping_groups():
         if r in gb_ranks:
             t = torch.full((3,), float(r * 100 + round_))
             dist.all_reduce(t, group=gb)
-            assert_tensor(t, torch.full((3,), float(sum(gb_ranks) * 100 + len(gb_ranks) * round_)), f"group B round {round_}")
+            expected = torch.full((3,), float(sum(gb_ranks) * 100 + len(gb_ranks) * round_))
+            assert_tensor(t, expected, f"group B round {round_}")
         t = torch.full((1,), float(r))
         dist.broadcast(t, src=n - 1)
         assert_tensor(t, torch.full((1,), float(n - 1)), f"world broadcast round {round_}")

@@ -10,6 +10,7 @@ import os
 
 from ._registry import body
 from .helpers import (
+    assert_equal,
     assert_tensor,
     assert_true,
     backend_name,
@@ -54,22 +55,19 @@ def queries():
     r = dist.get_rank()
     assert_true(dist.is_available(), "is_available() is False")
     assert_true(dist.is_initialized(), "is_initialized() is False after init_process_group")
-    assert_true(dist.get_world_size() == n, f"get_world_size() = {dist.get_world_size()}, expected {n}")
-    assert_true(r == int(os.environ["RANK"]), f"get_rank() = {r}, but this worker was started as rank {os.environ['RANK']}")
-    assert_true(0 <= r < n, f"rank {r} outside [0, {n})")
+    assert_equal(dist.get_world_size(), n, "get_world_size()")
+    assert_equal(r, int(os.environ["RANK"]), "get_rank() (vs the rank this worker was started as)")
     world = dist.group.WORLD
     assert_true(world is not None, "group.WORLD is None after init_process_group")
-    backend = dist.get_backend()
-    assert_true(str(backend).lower() == backend_name().lower(), f"get_backend() = {backend!r}, expected {backend_name()!r}")
-    assert_true(str(dist.get_backend(world)).lower() == backend_name().lower(), f"get_backend(WORLD) = {dist.get_backend(world)!r}")
-    assert_true(dist.get_rank(world) == r, f"get_rank(group.WORLD) = {dist.get_rank(world)}, expected {r}")
-    assert_true(dist.get_rank(group=None) == r, "get_rank(group=None) differs from get_rank()")
-    assert_true(dist.get_world_size(world) == n, f"get_world_size(group.WORLD) = {dist.get_world_size(world)}")
-    ranks = dist.get_process_group_ranks(world)
-    assert_true(list(ranks) == list(range(n)), f"get_process_group_ranks(WORLD) = {ranks}")
+    assert_equal(str(dist.get_backend()).lower(), backend_name().lower(), "get_backend()")
+    assert_equal(str(dist.get_backend(world)).lower(), backend_name().lower(), "get_backend(group.WORLD)")
+    assert_equal(dist.get_rank(world), r, "get_rank(group.WORLD)")
+    assert_equal(dist.get_rank(group=None), r, "get_rank(group=None)")
+    assert_equal(dist.get_world_size(world), n, "get_world_size(group.WORLD)")
+    assert_equal(list(dist.get_process_group_ranks(world)), list(range(n)), "get_process_group_ranks(WORLD)")
     for i in range(n):
-        assert_true(dist.get_global_rank(world, i) == i, f"get_global_rank(WORLD, {i}) = {dist.get_global_rank(world, i)}")
-        assert_true(dist.get_group_rank(world, i) == i, f"get_group_rank(WORLD, {i}) = {dist.get_group_rank(world, i)}")
+        assert_equal(dist.get_global_rank(world, i), i, f"get_global_rank(WORLD, {i})")
+        assert_equal(dist.get_group_rank(world, i), i, f"get_group_rank(WORLD, {i})")
     return r
 
 

@@ -130,9 +130,14 @@ def reduce_ops(dtype: str = "float32", collective: str = "all_reduce"):
     for op in valid_ops(dtype):
         _run(collective, getattr(dist.ReduceOp, op), dtype, f"{collective} {op} on {dtype}",
              expect=lambda xs, op=op: expected_reduction(xs, op, dtype))
+    problems = []
     for op in invalid_ops(dtype):
-        _expect_invalid(collective, op, dtype)
+        try:
+            _expect_invalid(collective, op, dtype)
+        except AssertionError as exc:
+            problems.append(str(exc))
     check_world_works(f"{collective} on {dtype}")
+    assert not problems, "invalid operator/dtype pairs not rejected:\n  " + "\n  ".join(problems)
 
 
 def _expect_invalid(collective: str, op_name: str, dtype: str) -> None:
@@ -150,7 +155,8 @@ def _expect_invalid(collective: str, op_name: str, dtype: str) -> None:
             dist.reduce_scatter_tensor(torch.zeros(_LEN, dtype=t.dtype), t, op=op)
     if is_tdist():
         assert isinstance(caught.value, (ValueError, TypeError, dist.DistError)), (
-            f"{collective} {op_name} on {dtype} raised {type(caught.value).__name__}, expected ValueError/TypeError/DistError"
+            f"{collective} {op_name} on {dtype} raised {type(caught.value).__name__}, "
+            "expected ValueError/TypeError/DistError"
         )
 
 

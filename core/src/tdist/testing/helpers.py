@@ -25,6 +25,7 @@ __all__ = [
     "raises",
     "assert_tensor",
     "assert_true",
+    "assert_equal",
     "rank",
     "world_size",
     "Sub",
@@ -111,6 +112,12 @@ def _safe_rank() -> Any:
 def assert_true(cond: Any, message: str) -> None:
     if not cond:
         raise AssertionError(f"rank {_safe_rank()}: {message}")
+
+
+def assert_equal(actual: Any, expected: Any, what: str) -> None:
+    """``actual == expected`` for plain values, else AssertionError "rank r: what = actual, expected ..."."""
+    if not (actual == expected):
+        raise AssertionError(f"rank {_safe_rank()}: {what} = {actual!r}, expected {expected!r}")
 
 
 def assert_tensor(actual: Any, expected: Any, what: str = "", *, atol: float = 0.0, rtol: float = 0.0) -> None:

@@ -284,7 +284,10 @@ class World:
         return dict(self._pids)
 
     def describe(self) -> str:
-        return f"backend {self.backend!r}, world size {self.world_size}, module {self.dist_module}, launcher {self.launcher}"
+        return (
+            f"backend {self.backend!r}, world size {self.world_size}, "
+            f"module {self.dist_module}, launcher {self.launcher}"
+        )
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -446,15 +449,18 @@ class World:
             self._conns[rank] = conn
             self._pids[rank] = int(hello["pid"])
             threading.Thread(
-                target=self._read, args=(rank, conn), name=f"tdist-world-rank{rank}", daemon=True
+                target=self._read, args=(rank, conn, self._inbox), name=f"tdist-world-rank{rank}", daemon=True
             ).start()
 
-    def _read(self, rank: int, conn: socket.socket) -> None:
+    @staticmethod
+    def _read(rank: int, conn: socket.socket, inbox: "queue.Queue[tuple[int, Any]]") -> None:
+        # ``inbox`` is this start's queue: a reader outliving a kill/restart cannot
+        # post its end-of-file into the next start's queue.
         try:
             while True:
-                self._inbox.put((rank, recv_msg(conn)))
+                inbox.put((rank, recv_msg(conn)))
         except BaseException as exc:
-            self._inbox.put((rank, ("eof", f"{type(exc).__name__}: {exc}")))
+            inbox.put((rank, ("eof", f"{type(exc).__name__}: {exc}")))
 
     def kill(self) -> None:
         """SIGKILL every process of this world (idempotent); mark it dead."""

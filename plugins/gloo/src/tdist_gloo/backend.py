@@ -11,15 +11,16 @@ What gloo lacks is built on what it has (see README.md for the table):
   operations, ...) travel as their bytes for the operations that only move data;
 * reductions gloo cannot do on a dtype run on a wider one (int16/uint16/uint32 on
   int64, float8 on float32) and are cast back; uint64 is reduced as int64 (MIN/MAX with
-  the sign bit flipped so the order is unsigned); complex SUM/AVG run on the real view,
-  complex PRODUCT on an all-gather followed by a local product;
+  the sign bit flipped so the order is unsigned); complex SUM/AVG/PREMUL_SUM run on the
+  real view;
 * PREMUL_SUM multiplies by the factor and sums; gloo's native AVG is used where it has one;
 * all_to_all with tensors of different sizes goes through alltoall_base;
 * CUDA reduce_scatter goes through allreduce.
 
-Combinations with no meaning (bitwise reductions of floating-point or complex
-tensors, MIN/MAX of complex ones, AVG of integers) raise ``ValueError`` naming the
-operation and the backend before anything is communicated.
+Combinations torch.distributed rejects (bitwise reductions of floating-point or
+complex tensors, PRODUCT/MIN/MAX of complex ones, AVG of integers, PREMUL_SUM of
+integers by a non-integer factor) raise ``TypeError`` (as tdist.reduction.check_reduction
+does) naming the operation and the backend before anything is communicated.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ class GlooWork(Work):
 
     # Work.__init__ is deliberately not called: it allocates an Event, a Lock and a
     # list per operation, which the common path (issue, then wait) does not need.
-    __slots__ = ("_work", "_post", "_done", "_anysource", "_pollable", "_wait_lock", "_watcher", "_own_callbacks")
+    __slots__ = (
+        "_work", "_post", "_done", "_anysource", "_pollable", "_wait_lock", "_watcher", "_own_callbacks", "_owner"
+    )
 
     def __init__(
         self,
@@ -100,8 +103,10 @@ class GlooWork(Work):
         source: int = -1,
         anysource: bool = False,
         pollable: bool = True,
+        owner: Any = None,
     ) -> None:
         self.op = op
+        self._owner = owner
         self.default_timeout = None
         self._work = work
         self._result = result
@@ -131,12 +136,18 @@ class GlooWork(Work):
                 return
             try:
                 self._work.wait()
-                if self._anysource:
-                    self._source_rank = int(self._work._source_rank())
-                if self._post is not None:
-                    self._post()
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
                 self._exc = map_error(exc, self.op)
+                if self._owner is not None:
+                    self._owner._broken(exc)
+            else:
+                try:
+                    if self._anysource:
+                        self._source_rank = int(self._work._source_rank())
+                    if self._post is not None:
+                        self._post()
+                except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+                    self._exc = map_error(exc, self.op)
             with _STATE_LOCK:
                 self._done = True
                 callbacks, self._own_callbacks = self._own_callbacks, None
@@ -191,12 +202,11 @@ class GlooWork(Work):
         """True once the operation has finished (its outputs are then final)."""
         if self._done:
             return True
-        if self._pollable:
-            if self._work.is_completed():
-                self._complete()
-                return True
-            return False
-        # gloo's send/recv works only learn of completion inside wait(): a helper thread waits.
+        if self._pollable and self._work.is_completed():
+            self._complete()
+            return True
+        # Some gloo works (send/recv, reduce_scatter) only learn of completion inside wait(),
+        # and any work may need post-processing: a helper thread waits (started once).
         with _STATE_LOCK:
             if not self._done:
                 self._watch()
@@ -335,7 +345,7 @@ _UINT64 = getattr(torch, "uint64", None)
 _SIGN_BIT = -(2**63)
 
 # plan kinds
-_NATIVE, _REAL, _WIDEN, _U64, _GATHER = range(5)
+_NATIVE, _REAL, _WIDEN, _U64 = range(4)
 
 
 class _Plan:
@@ -355,20 +365,20 @@ class _Plan:
         self.rs_opts.reduceOp = torch_op
 
 
-def _unsupported(operation: str, op: ReduceOp, dtype: Any, why: str) -> ValueError:
-    return ValueError(f"{operation}: backend 'gloo' cannot reduce {dtype} tensors with ReduceOp.{op.name}: {why}")
+def _unsupported(operation: str, op: ReduceOp, dtype: Any, why: str) -> TypeError:
+    return TypeError(f"{operation}: backend 'gloo' cannot reduce {dtype} tensors with ReduceOp.{op.name}: {why}")
 
 
 def _plan(op: ReduceOp, dtype: Any, operation: str, factor: Any) -> _Plan:
-    """Choose how to run reduction ``op`` on ``dtype``, or raise ValueError (nothing sent yet)."""
+    """Choose how to run reduction ``op`` on ``dtype``, or raise TypeError (nothing sent yet)."""
     torch_op = _TORCH_OP[op]
     premul = op is ReduceOp.PREMUL_SUM
     if dtype.is_complex:
         if op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM):
             return _Plan(_REAL, torch_op, prescale=premul)
-        if op is ReduceOp.PRODUCT:
-            return _Plan(_GATHER, torch_op)
-        raise _unsupported(operation, op, dtype, "complex numbers have no order and no bits to combine")
+        raise _unsupported(
+            operation, op, dtype, "complex tensors reduce only with SUM, AVG and PREMUL_SUM (as in torch.distributed)"
+        )
     if dtype.is_floating_point:
         if op in _BITWISE:
             raise _unsupported(operation, op, dtype, "bitwise reductions need integer or bool tensors")
@@ -499,6 +509,49 @@ def _chain(*steps: Optional[Callable[[], Any]]) -> Optional[Callable[[], None]]:
     return run
 
 
+# -------------------------------------------------------- collective checks
+_CHECK_ENV = "TDIST_GLOO_CHECK_COLLECTIVES"
+_OPCODES = {
+    name: code
+    for code, name in enumerate(
+        (
+            "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
+            "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+        ),
+        start=1,
+    )
+}
+_DTYPE_CODES = {
+    dtype: code
+    for code, dtype in enumerate(
+        sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str), start=1
+    )
+}
+_REDUCE_CODES = {op: code for code, op in enumerate(ReduceOp, start=1)}
+_CHECK_FIELDS = ("operation", "dtype", "elements", "root", "reduce op")
+_MISSING = -1
+
+
+def _describe(row: list) -> str:
+    names = {code: name for name, code in _OPCODES.items()}
+    dtypes = {code: str(d).replace("torch.", "") for d, code in _DTYPE_CODES.items()}
+    reduces = {code: op.name for op, code in _REDUCE_CODES.items()}
+    parts = [names.get(row[0], f"op#{row[0]}")]
+    if row[1] != _MISSING:
+        parts.append(dtypes.get(row[1], f"dtype#{row[1]}"))
+    if row[2] != _MISSING:
+        parts.append(f"{row[2]} elements")
+    if row[3] != _MISSING:
+        parts.append(f"root {row[3]}")
+    if row[4] != _MISSING:
+        parts.append(f"ReduceOp.{reduces.get(row[4], row[4])}")
+    return ", ".join(parts)
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() not in ("", "0", "false", "no", "off")
+
+
 # ------------------------------------------------------------------ backend
 class GlooBackend(Backend):
     """tdist's ``gloo`` backend: a ``ProcessGroupGloo`` for one tdist process group."""
@@ -553,6 +606,9 @@ class GlooBackend(Backend):
         self._ag_opts = _c10d.AllgatherOptions()
         self._barrier_opts = _c10d.BarrierOptions()
         self._closed = False
+        self._aborted = False
+        check = options.get("gloo_check_collectives")
+        self._check = _truthy(os.environ.get(_CHECK_ENV, "")) if check is None else bool(check)
 
     @property
     def process_group(self) -> Any:
@@ -590,11 +646,38 @@ class GlooBackend(Backend):
         except Exception as exc:
             raise map_error(exc, operation) from exc
 
-    def _gathered_product(self, flat: Any, operation: str) -> tuple:
-        """All-gather ``flat`` (1-D) from every rank; returns (torch work, stacked (size × n))."""
-        stacked = torch.empty((self.size, flat.numel()), dtype=flat.dtype, device=flat.device)
-        work = self._call(operation, self._pg._allgather_base, _flat(stacked), _flat(flat), self._ag_opts)
-        return work, stacked
+    def _verify(
+        self, operation: str, tensor: Any = None, root: int = _MISSING, op: Any = None, elements: bool = True
+    ) -> None:
+        """With collective checks on: all-gather every rank's description of the collective
+        it is issuing and raise DistBackendError on every rank if they differ (else gloo
+        would hang or return corrupted data). One extra round trip per collective."""
+        row = [
+            _OPCODES[operation],
+            _DTYPE_CODES.get(tensor.dtype, 0) if tensor is not None else _MISSING,
+            tensor.numel() if tensor is not None and elements else _MISSING,
+            root,
+            _REDUCE_CODES[op.op] if op is not None else _MISSING,
+        ]
+        mine = torch.tensor(row, dtype=torch.int64)
+        table = torch.empty(self.size * len(row), dtype=torch.int64)
+        work = self._call(operation, self._pg._allgather_base, table, mine, self._ag_opts)
+        try:
+            work.wait()
+        except Exception as exc:
+            self._broken(exc)
+            raise map_error(exc, operation) from exc
+        rows = table.view(self.size, len(row)).tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        groups: dict = {}
+        for rank, r in enumerate(rows):
+            groups.setdefault(tuple(r), []).append(self.global_ranks[rank])
+        issued = "; ".join(f"rank(s) {ranks}: {_describe(list(key))}" for key, ranks in groups.items())
+        raise DistBackendError(
+            f"{operation}: ranks of group {self.global_ranks} issued different collectives (backend 'gloo', "
+            f"{_CHECK_ENV}): {issued}"
+        )
 
     # ---------------------------------------------------------- point-to-point
     @staticmethod
@@ -606,18 +689,20 @@ class GlooBackend(Backend):
     def send(self, tensor: Any, dst: int, tag: int) -> Work:
         tag = self._tag("send", tag)
         work = self._call("send", self._pg.send, [tensor], dst, tag)
-        return GlooWork(work, "send", (tensor,), pollable=False)
+        return GlooWork(work, "send", (tensor,), pollable=False, owner=self)
 
     def recv(self, tensor: Any, src: Optional[int], tag: int) -> Work:
         tag = self._tag("recv", tag)
         if src is None:
             work = self._call("recv", self._pg.recv_anysource, [tensor], tag)
-            return GlooWork(work, "recv", (tensor,), anysource=True, pollable=False)
+            return GlooWork(work, "recv", (tensor,), anysource=True, pollable=False, owner=self)
         work = self._call("recv", self._pg.recv, [tensor], src, tag)
-        return GlooWork(work, "recv", (tensor,), source=src, pollable=False)
+        return GlooWork(work, "recv", (tensor,), source=src, pollable=False, owner=self)
 
     # ------------------------------------------------------------- collectives
     def broadcast(self, tensor: Any, src: int) -> Work:
+        if self._check:
+            self._verify("broadcast", tensor, src)
         opts = self._bcast_opts.get(src)
         if opts is None:
             opts = self._bcast_opts[src] = _c10d.BroadcastOptions()
@@ -627,96 +712,101 @@ class GlooBackend(Backend):
             work = self._pg.broadcast([buffer], opts)
         except Exception as exc:
             raise map_error(exc, "broadcast") from exc
-        return GlooWork(work, "broadcast", (tensor,))
+        return GlooWork(work, "broadcast", (tensor,), owner=self)
 
     def all_reduce(self, tensor: Any, op: Any) -> Work:
         plan = self._plans.get((op.op, tensor.dtype)) or self._plan_for(op, tensor.dtype, "all_reduce")
+        if self._check:
+            self._verify("all_reduce", tensor, op=op)
         if plan.kind == _NATIVE and not plan.prescale:  # the common case: straight to gloo
             try:
                 work = self._pg.allreduce([tensor], plan.ar_opts)
             except Exception as exc:
                 raise map_error(exc, "all_reduce") from exc
-            return GlooWork(work, "all_reduce", (tensor,))
-        if plan.kind == _GATHER:
-            work, stacked = self._gathered_product(tensor.view(-1), "all_reduce")
-            return GlooWork(work, "all_reduce", (tensor,), post=lambda: tensor.view(-1).copy_(stacked.prod(dim=0)))
+            return GlooWork(work, "all_reduce", (tensor,), owner=self)
         buffer, finish = _io_buffer(plan, tensor, op.factor)
         work = self._call("all_reduce", self._pg.allreduce, [buffer], plan.ar_opts)
-        return GlooWork(work, "all_reduce", (tensor,), post=finish)
+        return GlooWork(work, "all_reduce", (tensor,), post=finish, owner=self)
 
     def reduce(self, tensor: Any, dst: int, op: Any) -> Work:
         plan = self._plan_for(op, tensor.dtype, "reduce")
-        if plan.kind == _GATHER:
-            work, stacked = self._gathered_product(tensor.view(-1), "reduce")
-            post = (lambda: tensor.view(-1).copy_(stacked.prod(dim=0))) if self.rank == dst else None
-            return GlooWork(work, "reduce", (tensor,), post=post)
+        if self._check:
+            self._verify("reduce", tensor, dst, op)
         buffer, finish = _io_buffer(plan, tensor, op.factor)
         opts = self._options(self._reduce_opts, _c10d.ReduceOptions, dst, plan.torch_op)
         work = self._call("reduce", self._pg.reduce, [buffer], opts)
-        return GlooWork(work, "reduce", (tensor,), post=finish)
+        return GlooWork(work, "reduce", (tensor,), post=finish, owner=self)
 
     def all_gather(self, outputs: Sequence[Any], tensor: Any) -> Work:
+        if self._check:
+            self._verify("all_gather", tensor)
         flat_outputs = [[_flat(out) for out in outputs]]
         work = self._call("all_gather", self._pg.allgather, flat_outputs, [_flat(tensor)], self._ag_opts)
-        return GlooWork(work, "all_gather", tuple(outputs))
+        return GlooWork(work, "all_gather", tuple(outputs), owner=self)
 
     def all_gather_into_tensor(self, output: Any, tensor: Any) -> Work:
+        if self._check:
+            self._verify("all_gather_into_tensor", tensor)
         work = self._call(
             "all_gather_into_tensor", self._pg._allgather_base, _flat(output), _flat(tensor), self._ag_opts
         )
-        return GlooWork(work, "all_gather_into_tensor", (output,))
+        return GlooWork(work, "all_gather_into_tensor", (output,), owner=self)
 
     def gather(self, tensor: Any, outputs: Optional[Sequence[Any]], dst: int) -> Work:
+        if self._check:
+            self._verify("gather", tensor, dst)
         opts = self._options(self._gather_opts, _c10d.GatherOptions, dst)
         flat_outputs = [[_flat(out) for out in outputs]] if self.rank == dst and outputs is not None else []
         work = self._call("gather", self._pg.gather, flat_outputs, [_flat(tensor)], opts)
-        return GlooWork(work, "gather", tuple(outputs) if outputs is not None else ())
+        return GlooWork(work, "gather", tuple(outputs) if outputs is not None else (), owner=self)
 
     def scatter(self, tensor: Any, inputs: Optional[Sequence[Any]], src: int) -> Work:
+        if self._check:
+            self._verify("scatter", tensor, src)
         opts = self._options(self._scatter_opts, _c10d.ScatterOptions, src)
         flat_inputs = [[_flat(inp) for inp in inputs]] if self.rank == src and inputs is not None else []
         work = self._call("scatter", self._pg.scatter, [_flat(tensor)], flat_inputs, opts)
-        return GlooWork(work, "scatter", (tensor,))
+        return GlooWork(work, "scatter", (tensor,), owner=self)
 
     def reduce_scatter(self, output: Any, inputs: Sequence[Any], op: Any) -> Work:
         plan = self._plan_for(op, output.dtype, "reduce_scatter")
-        if plan.kind == _GATHER or output.device.type != "cpu":
-            whole = torch.cat([t.reshape(-1) for t in inputs])
-            return self._reduce_scatter_whole("reduce_scatter", output, whole, op, plan)
+        if self._check:
+            self._verify("reduce_scatter", output, op=op)
+        if output.device.type != "cpu":  # gloo's reduce_scatter is host-only: allreduce the whole
+            return self._reduce_scatter_whole("reduce_scatter", output, torch.cat([t.reshape(-1) for t in inputs]), op, plan)
         out_buffer, finish = _out_buffer(plan, output)
         in_buffers = [_in_buffer(plan, t, op.factor).reshape(-1) for t in inputs]
         work = self._call(
             "reduce_scatter", self._pg.reduce_scatter, [out_buffer.view(-1)], [in_buffers], plan.rs_opts
         )
-        return GlooWork(work, "reduce_scatter", (output,), post=finish)
+        # gloo's reduce_scatter works learn of completion only inside wait() (pollable=False)
+        return GlooWork(work, "reduce_scatter", (output,), post=finish, pollable=False, owner=self)
 
     def reduce_scatter_tensor(self, output: Any, tensor: Any, op: Any) -> Work:
         plan = self._plan_for(op, output.dtype, "reduce_scatter_tensor")
-        if plan.kind == _GATHER:
-            return self._reduce_scatter_whole("reduce_scatter_tensor", output, tensor.reshape(-1), op, plan)
+        if self._check:
+            self._verify("reduce_scatter_tensor", output, op=op)
         out_buffer, finish = _out_buffer(plan, output)
         in_buffer = _in_buffer(plan, tensor, op.factor)
         work = self._call(
             "reduce_scatter_tensor", self._pg._reduce_scatter_base, out_buffer.reshape(-1), in_buffer.reshape(-1),
             plan.rs_opts,
         )
-        return GlooWork(work, "reduce_scatter_tensor", (output,), post=finish)
+        return GlooWork(work, "reduce_scatter_tensor", (output,), post=finish, pollable=False, owner=self)
 
     def _reduce_scatter_whole(self, operation: str, output: Any, whole: Any, op: Any, plan: _Plan) -> Work:
-        """reduce_scatter as a reduction of the whole input followed by taking this rank's
-        chunk: the complex PRODUCT path (all-gather) and the CUDA path (allreduce)."""
+        """reduce_scatter as an allreduce of ``whole`` (a fresh 1-D concatenation of the
+        inputs) followed by taking this rank's chunk (the CUDA path)."""
         n = output.numel()
         lo, hi = self.rank * n, (self.rank + 1) * n
-        if plan.kind == _GATHER:
-            work, stacked = self._gathered_product(whole, operation)
-            return GlooWork(
-                work, operation, (output,), post=lambda: output.view(-1).copy_(stacked[:, lo:hi].prod(dim=0))
-            )
         buffer, finish = _io_buffer(plan, whole, op.factor)
         work = self._call(operation, self._pg.allreduce, [buffer], plan.ar_opts)
-        return GlooWork(work, operation, (output,), post=_chain(finish, lambda: output.view(-1).copy_(whole[lo:hi])))
+        post = _chain(finish, lambda: output.view(-1).copy_(whole[lo:hi]))
+        return GlooWork(work, operation, (output,), post=post, owner=self)
 
     def all_to_all(self, outputs: Sequence[Any], inputs: Sequence[Any]) -> Work:
+        if self._check:  # sizes may differ per peer: only the operation and dtype must agree
+            self._verify("all_to_all", inputs[0], elements=False)
         flat_in = [_flat(t) for t in inputs]
         flat_out = [_flat(t) for t in outputs]
         in_sizes = [t.numel() for t in flat_in]
@@ -729,20 +819,38 @@ class GlooBackend(Backend):
             for target, piece in zip(flat_out, recv.split(out_sizes)):
                 target.copy_(piece)
 
-        return GlooWork(work, "all_to_all", tuple(outputs), post=post)
+        return GlooWork(work, "all_to_all", tuple(outputs), post=post, owner=self)
 
     def all_to_all_single(
         self, output: Any, tensor: Any, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]
     ) -> Work:
+        if self._check:
+            self._verify("all_to_all_single", tensor, elements=False)
         work = self._call(
             "all_to_all_single", self._pg.alltoall_base, _rows(output), _rows(tensor), list(output_split_sizes),
             list(input_split_sizes), self._a2a_opts,
         )
-        return GlooWork(work, "all_to_all_single", (output,))
+        return GlooWork(work, "all_to_all_single", (output,), owner=self)
 
     def barrier(self) -> Work:
+        if self._check:
+            self._verify("barrier")
         work = self._call("barrier", self._pg.barrier, self._barrier_opts)
-        return GlooWork(work, "barrier")
+        return GlooWork(work, "barrier", owner=self)
+
+    def _broken(self, exc: BaseException) -> None:
+        """An operation failed inside gloo: the group's connections are unusable now, and a peer
+        waiting on this rank might only notice at its timeout. Abort the group, closing its
+        connections, so that every peer's pending operation fails at once."""
+        if self._aborted:
+            return
+        self._aborted = True
+        pg = self._pg
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception:  # best effort: the group is failing anyway
+                pass
 
     def shutdown(self) -> None:
         if self._closed:

@@ -8,7 +8,13 @@ whatever store tdist's init method made (env://, tcp://, file://, a user's store
 ProcessGroupGloo itself calls ``set``, ``wait(keys, timeout)`` and ``get`` (one key
 per rank's address); the rest are forwarded for completeness and for torch code
 that may use them (``add``, ``compare_set``, ``check``, ``delete_key``, ``num_keys``,
-``multi_get``, ``multi_set``, ``append``).
+``multi_get``, ``multi_set``, ``append``). torch's trampoline (``PythonStore``) forwards
+every one of them to Python except ``num_keys`` and ``delete_key`` (a C++ caller gets
+"pure virtual function getNumKeys/deleteKey"; gloo calls neither; Python callers
+reach them here).
+
+The bridge must stay referenced from Python while torch uses it: pybind11 finds
+the overriding methods on the live Python instance (the backend keeps it).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ buffers: MPI has no half-precision types, and the result is at least as accurate
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -123,7 +123,7 @@ class Tables:
         return dt
 
     def plan(self, dtype: torch.dtype, op: ReduceOp, operation: str) -> Plan:
-        """The cached :class:`Plan`; a ValueError for a combination MPI cannot reduce."""
+        """The cached :class:`Plan`; a TypeError for a combination it cannot reduce."""
         plan = self._plans.get((dtype, op))
         if plan is None:
             plan = self._plans[(dtype, op)] = reduction_plan(self, dtype, op, operation)
@@ -131,18 +131,22 @@ class Tables:
 
 
 def reduction_plan(tables: Tables, dtype: torch.dtype, op: ReduceOp, operation: str) -> Plan:
+    """The rules of :func:`tdist.reduction.check_reduction` (a TypeError for a dtype the
+    operator cannot reduce), applied again here so that nothing is sent before refusing."""
     stage = _STAGED.get(dtype)
     compute = stage or dtype
 
-    def refuse(what: str) -> ValueError:
-        return ValueError(f"{operation}: ReduceOp.{op.name} is not supported for {dtype} tensors by the mpi backend ({what})")
+    def refuse(what: str) -> TypeError:
+        return TypeError(f"{operation}: ReduceOp.{op.name} is not supported for {dtype} tensors ({what})")
 
     if op in _BITWISE and compute not in _INTEGER + (torch.bool,):
-        raise refuse("bitwise operators need integer or bool tensors")
-    if compute in _COMPLEX and op not in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.AVG, ReduceOp.PREMUL_SUM):
-        raise refuse("complex tensors support SUM, PRODUCT, AVG and PREMUL_SUM")
-    if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) and compute not in _FLOAT + _COMPLEX:
-        raise refuse("AVG and PREMUL_SUM need floating-point or complex tensors")
+        raise refuse("bitwise operators need an integer or bool tensor")
+    if compute in _COMPLEX and op in (ReduceOp.MIN, ReduceOp.MAX):
+        raise refuse("MIN and MAX are not defined for complex numbers")
+    if op is ReduceOp.AVG and compute not in _FLOAT + _COMPLEX:
+        raise refuse("AVG needs a floating-point or complex tensor")
+    if op is ReduceOp.PREMUL_SUM and compute is torch.bool:
+        raise refuse("PREMUL_SUM is not defined for bool")
     dt = tables._reduce_types.get(compute)
     if dt is None:
         raise refuse("MPI has no reduction datatype for it")
@@ -152,11 +156,10 @@ def reduction_plan(tables: Tables, dtype: torch.dtype, op: ReduceOp, operation: 
     return Plan(dt, mpi_op, stage, op is ReduceOp.AVG, op is ReduceOp.PREMUL_SUM)
 
 
-def premul_factor(factor: Any) -> Any:
-    """PREMUL_SUM's factor as a Python number (it may be a one-element tensor)."""
+def premul_factor(factor: Any, like: torch.Tensor) -> Any:
+    """PREMUL_SUM's factor, ready to multiply ``like`` in place: a Python number, or a
+    one-element tensor as a 0-dim tensor on ``like``'s device (it never promotes)."""
     if isinstance(factor, torch.Tensor):
-        return factor.reshape(()).item()
+        return factor.reshape(()).to(device=like.device)
     return factor
 
-
-Finalizer = Optional[Callable[[], None]]

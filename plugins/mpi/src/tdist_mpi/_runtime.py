@@ -19,12 +19,20 @@ from typing import Any, Optional
 
 from tdist import DistBackendError
 
-__all__ = ["Runtime", "runtime", "availability", "cuda_aware", "mpi_error", "ABORT_ENV", "CUDA_ENV"]
+__all__ = [
+    "Runtime", "runtime", "availability", "cuda_aware", "mpi_error", "check_collectives_default",
+    "ABORT_ENV", "CUDA_ENV", "CHECK_ENV",
+]
 
 #: Set to 0 to keep Python's default behaviour on an uncaught exception (no MPI_Abort).
 ABORT_ENV = "TDIST_MPI_ABORT_ON_EXCEPTION"
 #: Set to 1/0 to override the detection of a CUDA-aware MPI library.
 CUDA_ENV = "TDIST_MPI_CUDA_AWARE"
+#: Set to 1 (or pg_options={"check_collectives": True}) to verify before every collective
+#: that all ranks issued the same one (operation, dtype, element count, root, operator):
+#: one small MPI_Iallreduce each, waited for, so off by default. MPI itself does not detect
+#: a mismatched operation, dtype or root (the program is erroneous: results are undefined).
+CHECK_ENV = "TDIST_MPI_CHECK_COLLECTIVES"
 #: Open MPI's libnbc picks a binomial tree for every in-place MPI_Iallreduce (and for
 #: fewer than 4 ranks), ~3x slower than blocking MPI_Allreduce at 16 MiB; 3 selects
 #: reduce-scatter + allgather (Rabenseifner; a ring below one element per rank).
@@ -50,6 +58,11 @@ def availability() -> Optional[str]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"mpi4py cannot load an MPI library ({first}); {_INSTALL_HINT}"
     return None
+
+
+def check_collectives_default() -> bool:
+    """Whether ``$TDIST_MPI_CHECK_COLLECTIVES`` turns the collective check on."""
+    return os.environ.get(CHECK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def mpi_error(operation: str, exc: BaseException) -> DistBackendError:

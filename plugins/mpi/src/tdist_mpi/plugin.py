@@ -30,12 +30,18 @@ def _mpi_rendezvous(url: Any, **kwargs: Any) -> Any:
 
 @hookimpl
 def tdist_register_backends(registry: Any) -> None:
-    from ._runtime import availability, cuda_aware
+    from ._runtime import CHECK_ENV, availability, check_collectives_default, cuda_aware
 
     reason = availability()
     operations = {"cpu": _OPS}
     if reason is None and cuda_aware():
         operations["cuda"] = _OPS
+    unsupported = {}
+    if not check_collectives_default():
+        unsupported["collective_mismatch"] = (
+            "MPI does not detect ranks issuing different collectives (op, dtype, root); "
+            f"set {CHECK_ENV}=1 to check every collective first"
+        )
     registry.add(
         BackendSpec(
             name="mpi",
@@ -44,6 +50,7 @@ def tdist_register_backends(registry: Any) -> None:
             description="MPI through mpi4py (nonblocking MPI calls, zero-copy buffers); launch with mpirun",
             available=reason,
             default_init_method="mpi://",
+            extra={"unsupported": unsupported},
         )
     )
 

@@ -1,0 +1,199 @@
+"""Helpers for backend authors who reduce torch tensors in Python.
+
+A backend that moves bytes itself (like ``tdist-tcp``) reduces what it receives
+with these four functions, so every backend gives every :class:`ReduceOp` the
+same meaning:
+
+- :func:`check_reduction` rejects an operator/dtype combination *before* any
+  communication (``TypeError`` for a dtype the operator cannot handle,
+  ``ValueError`` for a bad ``PREMUL_SUM`` factor);
+- :func:`prescale_` / :func:`prescaled` multiply a rank's contribution by the
+  ``PREMUL_SUM`` factor (a no-op for every other operator);
+- :func:`combine_` folds one contribution into an accumulator, in place;
+- :func:`finalize_` finishes the result (``AVG`` divides by the group size).
+
+A reduction is then ``prescale_`` on every contribution, ``combine_`` pairwise
+(in any fixed order), and ``finalize_`` once on the result. On ``bool`` tensors
+``SUM``/``MAX`` are a logical or and ``PRODUCT``/``MIN`` a logical and.
+
+torch is imported lazily, so importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import TYPE_CHECKING, Any, Callable
+
+from ._reduce_op import ReduceOp, Reduction
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["check_reduction", "combine_", "prescale_", "prescaled", "finalize_"]
+
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
+
+def _kind(dtype: Any) -> str:
+    """'bool', 'int', 'float' or 'complex' for a torch dtype."""
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "float"
+    return "bool" if str(dtype) == "torch.bool" else "int"
+
+
+def _factor_kind(factor: Any) -> str:
+    """The kind of a PREMUL_SUM factor: a Python number or a one-element tensor."""
+    if factor is None:
+        raise ValueError("PREMUL_SUM needs a factor: build it with tdist.make_premul_sum(factor)")
+    if hasattr(factor, "numel") and hasattr(factor, "dtype"):
+        if factor.numel() != 1:
+            raise ValueError(
+                f"PREMUL_SUM factor must be a number or a one-element tensor, got {factor.numel()} elements"
+            )
+        kind = _kind(factor.dtype)
+        return "int" if kind == "bool" else kind
+    if isinstance(factor, bool):
+        return "int"
+    if isinstance(factor, numbers.Integral):
+        return "int"
+    if isinstance(factor, numbers.Real):
+        return "float"
+    if isinstance(factor, numbers.Complex):
+        return "complex"
+    raise TypeError(f"PREMUL_SUM factor must be a number or a one-element tensor, got {type(factor).__name__}")
+
+
+_RANK = {"int": 0, "float": 1, "complex": 2}
+
+
+def check_reduction(op: Reduction, dtype: Any, backend_name: str = "reduce") -> None:
+    """Raise if ``op`` cannot reduce tensors of ``dtype``; call it before communicating.
+
+    ``backend_name`` (a backend or operation name) prefixes the message. Rules:
+    BAND/BOR/BXOR need an integer or bool dtype; AVG a floating-point or complex one;
+    MIN/MAX/PRODUCT are not supported on complex tensors (as in torch.distributed);
+    PREMUL_SUM needs a factor (a number or one-element tensor) that the dtype can
+    hold (no float factor for integers, no complex factor for real tensors) and is
+    not defined on bool.
+    Raises ``TypeError`` for an unsupported dtype, ``ValueError`` for a bad factor.
+    """
+    if not isinstance(op, Reduction):
+        if isinstance(op, ReduceOp):
+            op = Reduction(op)
+        else:
+            raise TypeError(f"{backend_name}: op must be a tdist.Reduction or ReduceOp, got {op!r}")
+    code = op.op
+    kind = _kind(dtype)
+    if code in _BITWISE:
+        if kind not in ("int", "bool"):
+            raise TypeError(
+                f"{backend_name}: ReduceOp.{code.name} needs an integer or bool tensor, got {dtype}"
+            )
+    elif code is ReduceOp.AVG:
+        if kind not in ("float", "complex"):
+            raise TypeError(
+                f"{backend_name}: ReduceOp.AVG needs a floating-point or complex tensor, got {dtype} "
+                "(use SUM and divide yourself)"
+            )
+    elif code in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+        if kind == "complex":  # as in torch.distributed (supports_complex): complex is reduced as real pairs
+            raise TypeError(f"{backend_name}: ReduceOp.{code.name} is not supported for complex tensors ({dtype})")
+    elif code is ReduceOp.PREMUL_SUM:
+        try:
+            fkind = _factor_kind(op.factor)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{backend_name}: {exc}") from None
+        if kind == "bool":
+            raise TypeError(f"{backend_name}: ReduceOp.PREMUL_SUM is not defined for bool tensors")
+        if _RANK[fkind] > _RANK[kind]:
+            raise TypeError(
+                f"{backend_name}: ReduceOp.PREMUL_SUM factor {op.factor!r} ({fkind}) cannot scale a {dtype} tensor"
+            )
+
+
+# ------------------------------------------------------------------ combining
+def _or(acc: "torch.Tensor", other: "torch.Tensor") -> None:
+    acc.logical_or_(other)
+
+
+def _and(acc: "torch.Tensor", other: "torch.Tensor") -> None:
+    acc.logical_and_(other)
+
+
+def _min(acc: "torch.Tensor", other: "torch.Tensor") -> None:
+    import torch
+
+    torch.minimum(acc, other, out=acc)
+
+
+def _max(acc: "torch.Tensor", other: "torch.Tensor") -> None:
+    import torch
+
+    torch.maximum(acc, other, out=acc)
+
+
+_COMBINE: dict[ReduceOp, Callable[[Any, Any], None]] = {
+    ReduceOp.SUM: lambda a, b: a.add_(b),
+    ReduceOp.AVG: lambda a, b: a.add_(b),
+    ReduceOp.PREMUL_SUM: lambda a, b: a.add_(b),
+    ReduceOp.PRODUCT: lambda a, b: a.mul_(b),
+    ReduceOp.MIN: _min,
+    ReduceOp.MAX: _max,
+    ReduceOp.BAND: lambda a, b: a.bitwise_and_(b),
+    ReduceOp.BOR: lambda a, b: a.bitwise_or_(b),
+    ReduceOp.BXOR: lambda a, b: a.bitwise_xor_(b),
+}
+_COMBINE_BOOL: dict[ReduceOp, Callable[[Any, Any], None]] = {
+    **_COMBINE,
+    ReduceOp.SUM: _or,
+    ReduceOp.MAX: _or,
+    ReduceOp.PRODUCT: _and,
+    ReduceOp.MIN: _and,
+}
+
+
+def combine_(acc: "torch.Tensor", other: "torch.Tensor", op: Reduction) -> "torch.Tensor":
+    """Fold ``other`` into ``acc`` in place (``acc = acc <op> other``) and return ``acc``.
+
+    SUM/AVG/PREMUL_SUM add (contributions are prescaled, AVG is finalized later),
+    PRODUCT multiplies, MIN/MAX take the element-wise minimum/maximum, BAND/BOR/BXOR
+    are bitwise; on bool tensors SUM/MAX are a logical or, PRODUCT/MIN a logical and.
+    ``acc`` and ``other`` have the same dtype and number of elements.
+    """
+    import torch
+
+    table = _COMBINE_BOOL if acc.dtype == torch.bool else _COMBINE
+    table[op.op](acc, other)
+    return acc
+
+
+# ---------------------------------------------------------- scaling, finishing
+def _factor_for(tensor: "torch.Tensor", factor: Any) -> Any:
+    if hasattr(factor, "numel") and hasattr(factor, "reshape"):
+        # a 0-dim tensor never promotes ``tensor``'s dtype (a shape-[1] one would)
+        return factor.reshape(()).to(device=tensor.device)
+    return factor
+
+
+def prescale_(tensor: "torch.Tensor", op: Reduction) -> "torch.Tensor":
+    """Multiply ``tensor`` in place by the PREMUL_SUM factor (no-op for other operators)."""
+    if op.op is ReduceOp.PREMUL_SUM:
+        tensor.mul_(_factor_for(tensor, op.factor))
+    return tensor
+
+
+def prescaled(tensor: "torch.Tensor", op: Reduction) -> "torch.Tensor":
+    """``tensor`` times the PREMUL_SUM factor as a new tensor; for every other operator
+    ``tensor`` itself (not a copy): copy it yourself before modifying it."""
+    if op.op is ReduceOp.PREMUL_SUM:
+        return tensor.mul(_factor_for(tensor, op.factor)).to(tensor.dtype)
+    return tensor
+
+
+def finalize_(tensor: "torch.Tensor", op: Reduction, world_size: int) -> "torch.Tensor":
+    """Finish a reduction in place: AVG divides by ``world_size``; others are unchanged."""
+    if op.op is ReduceOp.AVG:
+        tensor.div_(world_size)
+    return tensor

@@ -1,0 +1,346 @@
+"""Collective algorithms over a :class:`Coll` (one collective's view of the transport).
+
+Tensors here are flat, contiguous 1-D tensors; payloads are uint8 memoryviews of
+them. Every algorithm posts its receives before it sends (so frames land straight
+in their destination) and spreads the work over all ranks:
+
+- all_reduce: recursive doubling (with the usual fold of the ranks beyond the largest
+  power of two) for small tensors; for large ones a segmented, pipelined ring
+  reduce-scatter followed by a ring all-gather. Every element is reduced in one fixed
+  operand order, so all ranks end bitwise identical;
+- broadcast: binomial tree (small) or a segmented pipelined chain (large);
+- reduce: binomial tree towards the root, segments reduced as they arrive;
+- ranks that would only send (broadcast and scatter roots, reduce and gather senders)
+  wait for an empty acknowledgement from each receiver, so a rank never completes a
+  collective its peers disagreed on (they detect the mismatch and abort the group);
+- all_gather / reduce_scatter: the same pipelined ring;
+- all_to_all: pairwise exchange (step i: send to r+i, receive from r-i);
+- gather / scatter: direct to / from the root; barrier: dissemination with empty frames.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from tdist.reduction import combine_
+
+from .transport import PostedRecv, Transport
+from .wire import COLL, OP_ACK, byte_view, pack_header
+
+if TYPE_CHECKING:
+    import torch
+    from tdist._reduce_op import Reduction
+
+__all__ = [
+    "Coll", "segments", "all_reduce_small", "all_reduce_ring", "ring", "broadcast_tree", "broadcast_chain",
+    "reduce_tree", "all_to_all", "gather", "scatter", "barrier",
+]
+
+_EMPTY = memoryview(b"")
+
+#: Element-wise torch ops on more elements than this fan out to torch's intra-op
+#: thread pool, which on a machine shared by several ranks is many times slower
+#: than one thread; the backend applies them piecewise instead.
+GRAIN = 32768
+
+
+def serially(fn: Callable[..., Any], *tensors: "torch.Tensor") -> None:
+    """``fn(*tensors)`` applied to aligned pieces of at most :data:`GRAIN` elements."""
+    n = tensors[0].numel()
+    if n <= GRAIN:
+        fn(*tensors)
+        return
+    for a in range(0, n, GRAIN):
+        fn(*[t[a:a + GRAIN] for t in tensors])
+
+
+def combine_serial(acc: "torch.Tensor", other: "torch.Tensor", op: "Reduction") -> None:
+    """:func:`tdist.reduction.combine_` without torch's thread pool."""
+    n = acc.numel()
+    if n <= GRAIN:
+        combine_(acc, other, op)
+        return
+    for a in range(0, n, GRAIN):
+        combine_(acc[a:a + GRAIN], other[a:a + GRAIN], op)
+
+
+def copy_serial(dst: "torch.Tensor", src: "torch.Tensor") -> None:
+    serially(_copy, dst, src)
+
+
+def _copy(dst: "torch.Tensor", src: "torch.Tensor") -> None:
+    dst.copy_(src)
+
+
+class Coll:
+    """One collective: its operation, reduce op and dtype codes, sequence number and deadline."""
+
+    __slots__ = ("tr", "rank", "size", "op", "redop", "seq", "dtype", "deadline")
+
+    def __init__(self, tr: Transport, op: int, redop: int, seq: int, dtype: int, deadline: float) -> None:
+        self.tr = tr
+        self.rank = tr.rank
+        self.size = tr.size
+        self.op = op
+        self.redop = redop
+        self.seq = seq
+        self.dtype = dtype
+        self.deadline = deadline
+
+    def irecv(self, src: int, dest: memoryview) -> PostedRecv:
+        return self.tr.post_coll(src, dest, self.op, self.redop, self.seq, self.dtype, self.deadline)
+
+    def wait(self, pr: PostedRecv) -> None:
+        self.tr.wait_coll(pr, self.deadline)
+
+    def send(self, dst: int, payload: memoryview) -> None:
+        self.tr.send(dst, pack_header(COLL, self.op, self.redop, self.dtype, 0, self.seq, len(payload)), payload)
+
+    def irecv_ack(self, src: int) -> PostedRecv:
+        return self.tr.post_coll(src, _EMPTY, OP_ACK, 0, self.seq, 0, self.deadline)
+
+    def ack(self, dst: int) -> None:
+        self.tr.send(dst, pack_header(COLL, OP_ACK, 0, 0, 0, self.seq, 0), _EMPTY)
+
+    def sendrecv(self, peer: int, payload: memoryview, dest: memoryview) -> None:
+        pr = self.irecv(peer, dest)
+        self.send(peer, payload)
+        self.wait(pr)
+
+
+def segments(n: int, seg: int) -> list[tuple[int, int]]:
+    """``[0, n)`` cut into pieces of at most ``seg`` (none when n == 0)."""
+    return [(a, min(a + seg, n)) for a in range(0, n, max(1, seg))]
+
+
+# ----------------------------------------------------------------- all_reduce
+def all_reduce_small(c: Coll, flat: "torch.Tensor", op: "Reduction",
+                     scratch: Optional[tuple["torch.Tensor", memoryview]] = None) -> None:
+    """Recursive doubling; ranks >= the largest power of two fold into a partner first.
+    ``scratch`` is an optional (tensor like ``flat``, its byte view) to receive into."""
+    p, r = c.size, c.rank
+    pof2 = 1 << (p.bit_length() - 1)
+    rem = p - pof2
+    view = byte_view(flat)
+    if r >= pof2:  # extra rank: hand the data over, get the result back
+        partner = r - pof2
+        pr = c.irecv(partner, view)  # the result cannot arrive before our data left
+        c.send(partner, view)
+        c.wait(pr)
+        return
+    if scratch is None:
+        import torch
+
+        other = torch.empty_like(flat)
+        scratch = other, byte_view(other)
+    acc, acc_view = flat, view
+    other, other_view = scratch
+    if r < rem:
+        c.wait(c.irecv(r + pof2, other_view))
+        combine_serial(acc, other, op)
+    mask = 1
+    while mask < pof2:
+        partner = r ^ mask
+        c.sendrecv(partner, acc_view, other_view)
+        if r < partner:  # always <lower rank's block> op <higher rank's block>
+            combine_serial(acc, other, op)
+        else:
+            combine_serial(other, acc, op)
+            acc, other, acc_view, other_view = other, acc, other_view, acc_view
+        mask <<= 1
+    if acc is not flat:
+        copy_serial(flat, acc)
+    if r < rem:
+        c.send(r + pof2, view)
+
+
+def ring(c: Coll, chunks: Sequence["torch.Tensor"], nsteps: int, nreduce: int, op: Optional["Reduction"],
+         seg: int) -> None:
+    """The segmented ring. At step s rank r sends chunk (r - s) % p to its right and
+    receives chunk (r - s - 1) % p from its left; the first ``nreduce`` steps combine
+    what arrives into the local chunk (reduce-scatter), later ones receive in place
+    (all-gather). What arrives at step s is what leaves at step s + 1, so each segment
+    is forwarded as soon as it is done (the ring is pipelined across steps).
+    """
+    import torch
+
+    p, r = c.size, c.rank
+    left, right = (r - 1) % p, (r + 1) % p
+    es = chunks[0].element_size()
+    views = [byte_view(ch) for ch in chunks]
+    segs = [segments(ch.numel(), seg) for ch in chunks]
+    tmps: list = []
+    tviews: list = []
+    if nreduce:
+        longest = max(ch.numel() for ch in chunks)
+        tmps = [torch.empty(longest, dtype=chunks[0].dtype) for _ in range(min(2, nreduce))]
+        tviews = [byte_view(t) for t in tmps]
+
+    def post(s: int) -> list[PostedRecv]:
+        ci = (r - s - 1) % p
+        view = tviews[s % 2] if s < nreduce else views[ci]
+        return [c.irecv(left, view[a * es:b * es]) for a, b in segs[ci]]
+
+    posted = {0: post(0)}
+    if nsteps > 1:
+        posted[1] = post(1)
+    mine = r % p
+    for a, b in segs[mine]:
+        c.send(right, views[mine][a * es:b * es])
+    for s in range(nsteps):
+        ci = (r - s - 1) % p
+        prs = posted.pop(s)
+        chunk, view = chunks[ci], views[ci]
+        reducing = s < nreduce
+        tmp = tmps[s % 2] if reducing else None
+        forward = s + 1 < nsteps
+        for k, (a, b) in enumerate(segs[ci]):
+            c.wait(prs[k])
+            if reducing:
+                combine_serial(chunk[a:b], tmp[a:b], op)  # type: ignore[index,arg-type]
+            if forward:
+                c.send(right, view[a * es:b * es])
+        if s + 2 < nsteps:
+            posted[s + 2] = post(s + 2)
+
+
+def all_reduce_ring(c: Coll, flat: "torch.Tensor", op: "Reduction", seg: int) -> None:
+    """Ring reduce-scatter then ring all-gather (2 (p - 1) pipelined steps)."""
+    p, n = c.size, flat.numel()
+    bounds = [(i * n) // p for i in range(p + 1)]
+    chunks = [flat[bounds[i]:bounds[i + 1]] for i in range(p)]
+    ring(c, chunks, 2 * (p - 1), p - 1, op, seg)
+
+
+# ------------------------------------------------------------ rooted trees
+def broadcast_tree(c: Coll, view: memoryview, root: int) -> None:
+    """Binomial tree: receive from the parent (and acknowledge), send to the children
+    (largest subtree first), wait for their acknowledgements."""
+    p, r = c.size, c.rank
+    vr = (r - root) % p
+    mask = 1
+    while mask < p:
+        if vr & mask:
+            parent = (vr - mask + root) % p
+            c.wait(c.irecv(parent, view))
+            c.ack(parent)
+            break
+        mask <<= 1
+    mask >>= 1
+    children = []
+    while mask > 0:
+        if vr + mask < p:
+            children.append((vr + mask + root) % p)
+        mask >>= 1
+    acks = [c.irecv_ack(child) for child in children]
+    for child in children:
+        c.send(child, view)
+    for pr in acks:
+        c.wait(pr)
+
+
+def broadcast_chain(c: Coll, view: memoryview, root: int, seg_bytes: int) -> None:
+    """Pipelined chain root -> root+1 -> ...: each segment is forwarded as it arrives;
+    each rank acknowledges the whole message to its predecessor."""
+    p, r = c.size, c.rank
+    vr = (r - root) % p
+    nxt = (r + 1) % p if vr + 1 < p else None
+    prev = (r - 1) % p
+    segs = segments(len(view), seg_bytes)
+    prs = [c.irecv(prev, view[a:b]) for a, b in segs] if vr else []
+    ack = c.irecv_ack(nxt) if nxt is not None else None
+    for k, (a, b) in enumerate(segs):
+        if vr:
+            c.wait(prs[k])
+        if nxt is not None:
+            c.send(nxt, view[a:b])
+    if vr:
+        c.ack(prev)
+    if ack is not None:
+        c.wait(ack)
+
+
+def reduce_tree(c: Coll, flat: "torch.Tensor", root: int, op: "Reduction", seg: int) -> None:
+    """Binomial tree towards ``root``; each child's segments are combined as they arrive
+    (and acknowledged), then the partial result goes to the parent."""
+    import torch
+
+    p, r = c.size, c.rank
+    vr = (r - root) % p
+    es = flat.element_size()
+    view = byte_view(flat)
+    segs = segments(flat.numel(), seg)
+    tmp = tview = None
+    mask = 1
+    while mask < p:
+        if vr & mask:
+            parent = (vr - mask + root) % p
+            ack = c.irecv_ack(parent)
+            for a, b in segs:
+                c.send(parent, view[a * es:b * es])
+            c.wait(ack)
+            return
+        child = vr | mask
+        if child < p:
+            if tmp is None:
+                tmp = torch.empty_like(flat)
+                tview = byte_view(tmp)
+            src = (child + root) % p
+            prs = [c.irecv(src, tview[a * es:b * es]) for a, b in segs]  # type: ignore[index]
+            for k, (a, b) in enumerate(segs):
+                c.wait(prs[k])
+                combine_serial(flat[a:b], tmp[a:b], op)
+            c.ack(src)
+        mask <<= 1
+
+
+# ------------------------------------------------------------------- others
+def all_to_all(c: Coll, out_views: Sequence[memoryview], in_views: Sequence[memoryview]) -> None:
+    """Pairwise exchange; rank r's own piece is copied by the caller."""
+    p, r = c.size, c.rank
+    prs = {(r - i) % p: c.irecv((r - i) % p, out_views[(r - i) % p]) for i in range(1, p)}
+    for i in range(1, p):
+        dst = (r + i) % p
+        c.send(dst, in_views[dst])
+    for i in range(1, p):
+        c.wait(prs[(r - i) % p])
+
+
+def gather(c: Coll, view: memoryview, out_views: Optional[Sequence[memoryview]], root: int) -> None:
+    """Direct to the root, which acknowledges each piece."""
+    p, r = c.size, c.rank
+    if r != root:
+        ack = c.irecv_ack(root)
+        c.send(root, view)
+        c.wait(ack)
+        return
+    prs = {i: c.irecv(i, out_views[i]) for i in range(p) if i != root}  # type: ignore[index]
+    for i, pr in prs.items():
+        c.wait(pr)
+        c.ack(i)
+
+
+def scatter(c: Coll, view: memoryview, in_views: Optional[Sequence[memoryview]], root: int) -> None:
+    """Direct from the root; every receiver acknowledges its piece."""
+    p, r = c.size, c.rank
+    if r != root:
+        c.wait(c.irecv(root, view))
+        c.ack(root)
+        return
+    dsts = [(root + i) % p for i in range(1, p)]
+    acks = [c.irecv_ack(dst) for dst in dsts]
+    for dst in dsts:
+        c.send(dst, in_views[dst])  # type: ignore[index]
+    for pr in acks:
+        c.wait(pr)
+
+
+def barrier(c: Coll) -> None:
+    """Dissemination barrier: round k sends to r + 2^k and waits for r - 2^k."""
+    p, r = c.size, c.rank
+    k = 1
+    while k < p:
+        pr = c.irecv((r - k) % p, _EMPTY)
+        c.send((r + k) % p, _EMPTY)
+        c.wait(pr)
+        k <<= 1

@@ -1,0 +1,439 @@
+"""``TcpBackend``: every tdist operation on CPU tensors over the tcp transport.
+
+Collectives are queued on one FIFO lane per group and normally run in the thread
+that waits for them (see :mod:`tdist_tcp.lanes`); sends have their own lane and
+receives need no thread at all (the peers' reader threads complete them), so
+point-to-point traffic never queues behind collectives.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+
+from tdist._backend import Backend
+from tdist._errors import DistBackendError, DistBackendTimeoutError
+from tdist._work import Work, seconds
+from tdist.reduction import check_reduction, finalize_, prescale_
+
+from . import algorithms as algo
+from .lanes import Lane, TcpWork
+from .mesh import connect_mesh
+from .transport import PostedRecv, Transport
+from .wire import OP_CODES, P2P, byte_view, dtype_code, pack_header, redop_code
+
+if TYPE_CHECKING:
+    import torch
+    from tdist._reduce_op import Reduction
+    from tdist._store.base import Store
+
+__all__ = ["TcpBackend", "create_backend", "DEFAULTS"]
+
+#: Tunables (``options`` of ``init_process_group``/``new_group`` override them).
+DEFAULTS = {
+    "ring_threshold": 64 << 10,  # all_reduce/broadcast above this many bytes: ring / chain
+    "segment_bytes": 512 << 10,  # pipelining unit of rings, chains and trees
+    "grace": 0.002,  # seconds a queued collective waits for its caller before the worker runs it
+    "linger": 1.0,  # seconds shutdown waits for the peers' goodbyes
+}
+
+_live: "weakref.WeakSet[TcpBackend]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:  # say goodbye to the peers even if the program never destroyed its groups
+    for backend in list(_live):
+        try:
+            backend.shutdown()
+        except Exception:
+            pass
+
+
+def _inplace(t: "torch.Tensor") -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
+    """A flat contiguous view of ``t`` holding its data, and ``t`` again if the result must be copied back."""
+    t = t.detach()
+    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        return t.view(-1), None
+    return t.resolve_conj().resolve_neg().contiguous().view(-1), t
+
+
+def _output(t: "torch.Tensor") -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
+    """A flat contiguous buffer to receive into, and ``t`` if it must be copied back."""
+    import torch
+
+    t = t.detach()
+    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        return t.view(-1), None
+    return torch.empty(t.numel(), dtype=t.dtype), t
+
+
+def _source(t: "torch.Tensor") -> "torch.Tensor":
+    """A flat contiguous tensor with ``t``'s values (``t``'s own memory when possible)."""
+    t = t.detach()
+    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        return t.view(-1)
+    return t.resolve_conj().resolve_neg().contiguous().view(-1)
+
+
+def _prescale(flat: "torch.Tensor", op: "Reduction") -> None:
+    if op.op.name == "PREMUL_SUM":
+        algo.serially(lambda piece: prescale_(piece, op), flat)
+
+
+def _finalize(flat: "torch.Tensor", op: "Reduction", size: int) -> None:
+    if op.op.name == "AVG":
+        algo.serially(lambda piece: finalize_(piece, op, size), flat)
+
+
+def _concat(flats: Sequence["torch.Tensor"]) -> "torch.Tensor":
+    """A new flat tensor holding ``flats`` one after the other."""
+    import torch
+
+    out = torch.empty(sum(f.numel() for f in flats), dtype=flats[0].dtype)
+    at = 0
+    for f in flats:
+        algo.copy_serial(out[at:at + f.numel()], f)
+        at += f.numel()
+    return out
+
+
+class TcpBackend(Backend):
+    """One process group's tcp backend (built by :func:`create_backend`)."""
+
+    name = "tcp"
+
+    def __init__(self, rank: int, size: int, timeout: timedelta, transport: Transport,
+                 options: Mapping[str, Any]) -> None:
+        super().__init__(rank, size, timeout)
+        opts = {**DEFAULTS, **{k: v for k, v in options.items() if k in DEFAULTS}}
+        self._tr = transport
+        self._timeout_s = float(seconds(timeout))  # type: ignore[arg-type]
+        self._work_timeout = self._timeout_s + 5.0  # the operation's own, more precise, timeout fires first
+        self._ring_threshold = int(opts["ring_threshold"])
+        self._segment_bytes = max(1, int(opts["segment_bytes"]))
+        self._linger = float(opts["linger"])
+        grace = float(opts["grace"])
+        self._coll_lane = Lane(f"tdist-tcp-coll-r{rank}", grace, self._timeout_s)
+        self._send_lane = Lane(f"tdist-tcp-send-r{rank}", grace, self._timeout_s)
+        self._seq = 0
+        self._scratch: dict = {}
+        self._p2p_seq = [0] * size
+        self._shut = False
+        self._shut_lock = threading.Lock()
+        _live.add(self)
+
+    # --------------------------------------------------------------- helpers
+    def _scratch_for(self, flat: "torch.Tensor") -> tuple:
+        """A reusable receive buffer like ``flat`` (collectives of a group run one at a time)."""
+        key = (flat.dtype, flat.numel())
+        entry = self._scratch.get(key)
+        if entry is None:
+            import torch
+
+            if len(self._scratch) >= 16:
+                self._scratch.clear()
+            tensor = torch.empty(flat.numel(), dtype=flat.dtype)
+            entry = self._scratch[key] = (tensor, byte_view(tensor))
+        return entry
+
+    def _seg_elems(self, element_size: int) -> int:
+        return max(1, self._segment_bytes // max(1, element_size))
+
+    def _submit(self, name: str, dtype: Any, redop: Optional["Reduction"],
+                body: Callable[[algo.Coll], Any]) -> Work:
+        """Queue one collective on the collective lane."""
+        work = TcpWork(f"tcp {name} on {self._tr.me}", self._work_timeout)
+        tr = self._tr
+        if tr.broken is not None:
+            work.set_exception(tr.broken)
+            return work
+        self._seq += 1
+        seq = self._seq
+        opcode = OP_CODES[name]
+        rcode = redop_code(redop)
+        dcode = dtype_code(dtype) if dtype is not None else 0
+        timeout = self._timeout_s
+
+        def job() -> Any:
+            c = algo.Coll(tr, opcode, rcode, seq, dcode, time.monotonic() + timeout)
+            try:
+                return body(c)
+            except DistBackendError as exc:
+                tr.fail(exc)
+                raise
+            except BaseException as exc:  # a local failure mid-collective must not leave the peers waiting
+                err = DistBackendError(f"tcp backend: {name} failed on {tr.me}: {type(exc).__name__}: {exc}")
+                tr.fail(err)
+                raise err from exc
+
+        self._coll_lane.submit(job, work)
+        return work
+
+    # ---------------------------------------------------------- point-to-point
+    def send(self, tensor: "torch.Tensor", dst: int, tag: int) -> Work:
+        tr = self._tr
+        work = TcpWork(f"tcp send from {tr.me} to {tr.label(dst)} (tag {tag})", self._work_timeout)
+        if dst == self.rank or not 0 <= dst < self.size:
+            work.set_exception(ValueError(f"tcp backend: send to rank {dst} from rank {self.rank}"))
+            return work
+        if tr.broken is not None:
+            work.set_exception(tr.broken)
+            return work
+        src = _source(tensor)
+        view = byte_view(src)
+        self._p2p_seq[dst] += 1
+        header = pack_header(P2P, OP_CODES["send"], 0, dtype_code(src.dtype), tag, self._p2p_seq[dst], len(view),
+                             tuple(tensor.shape))
+
+        def job() -> list:
+            tr.send(dst, header, view)
+            return [tensor]
+
+        self._send_lane.submit(job, work)
+        return work
+
+    def recv(self, tensor: "torch.Tensor", src: Optional[int], tag: int) -> Work:
+        tr = self._tr
+        where = "any rank" if src is None else tr.label(src)
+        work = TcpWork(f"tcp recv on {tr.me} from {where} (tag {tag})", self._timeout_s)
+        if src is not None and (src == self.rank or not 0 <= src < self.size):
+            work.set_exception(ValueError(f"tcp backend: recv from rank {src} on rank {self.rank}"))
+            return work
+        flat, back = _output(tensor)
+
+        def done(pr: PostedRecv) -> None:
+            if pr.error is not None:
+                work.set_exception(pr.error)
+                return
+            if back is not None:
+                back.copy_(flat.view(back.shape))
+            work.set_result([tensor], pr.source)
+
+        try:
+            pr = tr.post_p2p(src, tag, dtype_code(flat.dtype), byte_view(flat), done)
+        except DistBackendError as exc:
+            work.set_exception(exc)
+            return work
+        timeout = self._timeout_s
+
+        def on_timeout(w: TcpWork) -> bool:
+            if not tr.cancel_p2p(pr):
+                return False
+            w.set_exception(DistBackendTimeoutError(
+                f"tcp backend: {tr.me} timed out in recv from {where} (tag {tag}): nothing arrived "
+                f"(group timeout {timeout:g} s)"
+            ))
+            return True
+
+        work._on_timeout = on_timeout
+        return work
+
+    # ------------------------------------------------------------- collectives
+    def broadcast(self, tensor: "torch.Tensor", src: int) -> Work:
+        def body(c: algo.Coll) -> list:
+            flat, back = _inplace(tensor)
+            if self.size > 1:
+                view = byte_view(flat)
+                if len(view) > self._ring_threshold and self.size > 2:
+                    algo.broadcast_chain(c, view, src, self._segment_bytes)
+                else:
+                    algo.broadcast_tree(c, view, src)
+            if back is not None and self.rank != src:
+                back.copy_(flat.view(back.shape))
+            return [tensor]
+
+        return self._submit("broadcast", tensor.dtype, None, body)
+
+    def all_reduce(self, tensor: "torch.Tensor", op: "Reduction") -> Work:
+        check_reduction(op, tensor.dtype, "tcp all_reduce")
+
+        def body(c: algo.Coll) -> list:
+            flat, back = _inplace(tensor)
+            _prescale(flat, op)
+            if self.size > 1:
+                es = flat.element_size()
+                if flat.numel() * es <= self._ring_threshold or flat.numel() < self.size:
+                    algo.all_reduce_small(c, flat, op, self._scratch_for(flat))
+                else:
+                    algo.all_reduce_ring(c, flat, op, self._seg_elems(es))
+            _finalize(flat, op, self.size)
+            if back is not None:
+                back.copy_(flat.view(back.shape))
+            return [tensor]
+
+        return self._submit("all_reduce", tensor.dtype, op, body)
+
+    def reduce(self, tensor: "torch.Tensor", dst: int, op: "Reduction") -> Work:
+        check_reduction(op, tensor.dtype, "tcp reduce")
+
+        def body(c: algo.Coll) -> list:
+            flat, back = _inplace(tensor)
+            _prescale(flat, op)
+            if self.size > 1:
+                algo.reduce_tree(c, flat, dst, op, self._seg_elems(flat.element_size()))
+            if self.rank == dst:
+                _finalize(flat, op, self.size)
+                if back is not None:
+                    back.copy_(flat.view(back.shape))
+            return [tensor]
+
+        return self._submit("reduce", tensor.dtype, op, body)
+
+    def _gather_ring(self, c: algo.Coll, blocks: list, tensor: "torch.Tensor") -> None:
+        algo.copy_serial(blocks[self.rank], _source(tensor))
+        if self.size > 1:
+            algo.ring(c, blocks, self.size - 1, 0, None, self._seg_elems(tensor.element_size()))
+
+    def all_gather(self, outputs: Sequence["torch.Tensor"], tensor: "torch.Tensor") -> Work:
+        def body(c: algo.Coll) -> list:
+            staged = [_output(o) for o in outputs]
+            self._gather_ring(c, [flat for flat, _ in staged], tensor)
+            for flat, back in staged:
+                if back is not None:
+                    back.copy_(flat.view(back.shape))
+            return list(outputs)
+
+        return self._submit("all_gather", tensor.dtype, None, body)
+
+    def all_gather_into_tensor(self, output: "torch.Tensor", tensor: "torch.Tensor") -> Work:
+        def body(c: algo.Coll) -> list:
+            flat, back = _output(output)
+            n = tensor.numel()
+            self._gather_ring(c, [flat[i * n:(i + 1) * n] for i in range(self.size)], tensor)
+            if back is not None:
+                back.copy_(flat.view(back.shape))
+            return [output]
+
+        return self._submit("all_gather_into_tensor", tensor.dtype, None, body)
+
+    def gather(self, tensor: "torch.Tensor", outputs: Optional[Sequence["torch.Tensor"]], dst: int) -> Work:
+        def body(c: algo.Coll) -> list:
+            src = _source(tensor)
+            if self.rank != dst:
+                algo.gather(c, byte_view(src), None, dst)
+                return []
+            staged = [_output(o) for o in outputs]  # type: ignore[union-attr]
+            algo.copy_serial(staged[dst][0], src)
+            if self.size > 1:
+                algo.gather(c, byte_view(src), [byte_view(flat) for flat, _ in staged], dst)
+            for flat, back in staged:
+                if back is not None:
+                    back.copy_(flat.view(back.shape))
+            return list(outputs)  # type: ignore[arg-type]
+
+        return self._submit("gather", tensor.dtype, None, body)
+
+    def scatter(self, tensor: "torch.Tensor", inputs: Optional[Sequence["torch.Tensor"]], src: int) -> Work:
+        def body(c: algo.Coll) -> list:
+            flat, back = _output(tensor)
+            in_views = None
+            if self.rank == src:
+                sources = [_source(t) for t in inputs]  # type: ignore[union-attr]
+                algo.copy_serial(flat, sources[src])
+                in_views = [byte_view(s) for s in sources]
+            if self.size > 1:
+                algo.scatter(c, byte_view(flat), in_views, src)
+            if back is not None:
+                back.copy_(flat.view(back.shape))
+            return [tensor]
+
+        return self._submit("scatter", tensor.dtype, None, body)
+
+    def _reduce_scatter(self, c: algo.Coll, output: "torch.Tensor", work: "torch.Tensor", sizes: list,
+                        op: "Reduction") -> None:
+        _prescale(work, op)
+        chunks = list(work.split(sizes))
+        p = self.size
+        if p > 1:  # rotated so that rank r ends up holding chunk r
+            algo.ring(c, [chunks[(i - 1) % p] for i in range(p)], p - 1, p - 1, op,
+                      self._seg_elems(work.element_size()))
+        result = chunks[self.rank]
+        _finalize(result, op, p)
+        out, back = _output(output)
+        algo.copy_serial(out, result)
+        if back is not None:
+            back.copy_(out.view(back.shape))
+
+    def reduce_scatter(self, output: "torch.Tensor", inputs: Sequence["torch.Tensor"], op: "Reduction") -> Work:
+        check_reduction(op, output.dtype, "tcp reduce_scatter")
+
+        def body(c: algo.Coll) -> list:
+            work = _concat([_source(t) for t in inputs])  # the inputs must stay untouched
+            self._reduce_scatter(c, output, work, [t.numel() for t in inputs], op)
+            return [output]
+
+        return self._submit("reduce_scatter", output.dtype, op, body)
+
+    def reduce_scatter_tensor(self, output: "torch.Tensor", tensor: "torch.Tensor", op: "Reduction") -> Work:
+        check_reduction(op, output.dtype, "tcp reduce_scatter_tensor")
+
+        def body(c: algo.Coll) -> list:
+            work = _concat([_source(tensor)])
+            self._reduce_scatter(c, output, work, [output.numel()] * self.size, op)
+            return [output]
+
+        return self._submit("reduce_scatter_tensor", output.dtype, op, body)
+
+    def all_to_all(self, outputs: Sequence["torch.Tensor"], inputs: Sequence["torch.Tensor"]) -> Work:
+        def body(c: algo.Coll) -> list:
+            sources = [_source(t) for t in inputs]
+            staged = [_output(o) for o in outputs]
+            algo.copy_serial(staged[self.rank][0], sources[self.rank])
+            if self.size > 1:
+                algo.all_to_all(c, [byte_view(flat) for flat, _ in staged], [byte_view(s) for s in sources])
+            for flat, back in staged:
+                if back is not None:
+                    back.copy_(flat.view(back.shape))
+            return list(outputs)
+
+        dtype = inputs[0].dtype if inputs else None
+        return self._submit("all_to_all", dtype, None, body)
+
+    def barrier(self) -> Work:
+        def body(c: algo.Coll) -> list:
+            if self.size > 1:
+                algo.barrier(c)
+            return []
+
+        return self._submit("barrier", None, None, body)
+
+    # ---------------------------------------------------------------- closing
+    def shutdown(self) -> None:
+        """Say goodbye to the peers, close the sockets and stop every thread. Idempotent."""
+        with self._shut_lock:
+            if self._shut:
+                return
+            self._shut = True
+        self._tr.close(self._linger)
+        error = DistBackendError(f"tcp backend: {self._tr.me}'s process group was destroyed")
+        self._coll_lane.close(error)
+        self._send_lane.close(error)
+        _live.discard(self)
+
+    def threads(self) -> list[threading.Thread]:
+        """The threads this backend started that are still alive (for leak checks)."""
+        threads = self._tr.threads() + [self._coll_lane.thread(), self._send_lane.thread()]
+        return [t for t in threads if t is not None and t.is_alive()]
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._shut else ("broken" if self._tr.broken else "ok")
+        return f"<TcpBackend rank {self.rank}/{self.size} {state}>"
+
+
+def create_backend(*, store: "Store", rank: int, world_size: int, timeout: Any, options: Optional[Mapping] = None,
+                   global_ranks: Optional[Sequence[int]] = None, **_ignored: Any) -> TcpBackend:
+    """The factory registered for ``tcp``: connect to the group's peers through ``store``."""
+    options = dict(options or {})
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(seconds(timeout, 300.0)))  # type: ignore[arg-type]
+    timeout_s = min(timeout.total_seconds(), 1e9)  # beyond that, "forever" (and lock waits overflow)
+    if timeout_s <= 0:
+        raise ValueError(f"tcp backend: timeout must be positive, got {timeout}")
+    timeout = timedelta(seconds=timeout_s)
+    sockets = connect_mesh(store, rank, world_size, timeout_s, options) if world_size > 1 else {}
+    transport = Transport(rank, world_size, sockets, timeout_s, global_ranks)
+    return TcpBackend(rank, world_size, timeout, transport, options)

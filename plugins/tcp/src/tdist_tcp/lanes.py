@@ -1,0 +1,190 @@
+"""FIFO execution lanes: where collectives and sends run.
+
+An operation is queued on a :class:`Lane` and its :class:`TcpWork` returned at once.
+Whoever waits on the Work first *runs it in the waiting thread* when the lane is idle
+(so a blocking collective costs no thread hand-off); otherwise the lane's worker
+thread runs it. The worker leaves a freshly queued job alone for a short grace
+period (the caller usually waits right away), then runs it, so an ``async_op``
+collective that nobody waits on yet still makes progress. Jobs of one lane always
+run one at a time, in the order they were queued.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Optional
+
+from tdist._errors import DistBackendError
+from tdist._work import Work
+
+__all__ = ["Lane", "Job", "TcpWork"]
+
+
+class Job:
+    __slots__ = ("fn", "work", "queued_at", "eager", "started")
+
+    def __init__(self, fn: Callable[[], Any], work: "TcpWork") -> None:
+        self.fn = fn
+        self.work = work
+        self.queued_at = 0.0
+        self.eager = False
+        self.started = False
+
+    def run(self) -> None:
+        try:
+            result = self.fn()
+        except BaseException as exc:
+            outcome: tuple = (self.work.set_exception, exc)
+        else:
+            outcome = (self.work.set_result, result)
+        try:  # the Work's done-callbacks run here: their errors are not the lane's
+            outcome[0](outcome[1])
+        except Exception:
+            pass
+
+
+class TcpWork(Work):
+    """A :class:`tdist.Work` whose ``wait`` runs its queued job inline when it can."""
+
+    __slots__ = ("_job", "_lane", "_on_timeout")
+
+    def __init__(self, op: str, default_timeout: Optional[float]) -> None:
+        super().__init__(op, default_timeout)
+        self._job: Optional[Job] = None
+        self._lane: Optional["Lane"] = None
+        self._on_timeout: Optional[Callable[["TcpWork"], bool]] = None
+
+    def _wait_impl(self, timeout: Optional[float]) -> bool:
+        job = self._job
+        if job is not None and not job.started and not self._event.is_set():
+            self._lane.drive(job, timeout)  # type: ignore[union-attr]
+        if self._event.wait(timeout):
+            return True
+        if self._on_timeout is not None and self._on_timeout(self):
+            return True
+        return False
+
+
+class Lane:
+    """One FIFO of jobs, one worker thread (started on first use).
+
+    Queueing a job does not wake the worker (in the common blocking case the caller
+    runs the job itself, and waking a thread per operation costs more than the
+    operation): while the lane is in use the worker polls every ``grace`` seconds
+    and takes a job nobody claimed; after ``idle_after`` seconds without jobs it
+    sleeps until the next job wakes it.
+    """
+
+    def __init__(self, name: str, grace: float, inline_limit: float, idle_after: float = 0.5) -> None:
+        self.name = name
+        self.grace = grace
+        self.idle_after = idle_after
+        self.inline_limit = inline_limit  # waits shorter than this never run a job inline
+        self._cv = threading.Condition(threading.Lock())
+        self._queue: deque[Job] = deque()
+        self._busy = False
+        self._urgent = False
+        self._asleep = False
+        self._last = 0.0
+        self._closed: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, fn: Callable[[], Any], work: "TcpWork") -> None:
+        job = Job(fn, work)
+        work._job = job
+        work._lane = self
+        with self._cv:
+            if self._closed is not None:
+                work.set_exception(self._closed)
+                return
+            job.eager = self._busy or bool(self._queue)
+            job.queued_at = self._last = time.monotonic()
+            self._queue.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            elif self._asleep:
+                self._asleep = False
+                self._cv.notify()
+
+    def drive(self, job: Job, timeout: Optional[float]) -> None:
+        """Called by a waiter of ``job``: run the queue up to ``job`` inline if the lane is
+        idle (and the wait is long enough), else ask the worker to hurry."""
+        if timeout is not None and timeout < self.inline_limit:
+            with self._cv:
+                self._urgent = True
+                self._cv.notify()
+            return
+        while True:
+            with self._cv:
+                if job.started or self._closed is not None:
+                    return
+                if self._busy or not self._queue:
+                    self._urgent = True
+                    self._cv.notify()
+                    return
+                head = self._queue.popleft()
+                head.started = True
+                self._busy = True
+            try:
+                head.run()
+            finally:
+                with self._cv:
+                    self._busy = False
+                    if self._queue:
+                        self._cv.notify()
+            if head is job:
+                return
+
+    def _loop(self) -> None:
+        cv = self._cv
+        while True:
+            with cv:
+                while True:
+                    if self._closed is not None:
+                        return
+                    now = time.monotonic()
+                    if self._queue and not self._busy:
+                        head = self._queue[0]
+                        if head.eager or self._urgent or now - head.queued_at >= self.grace:
+                            break
+                        cv.wait(self.grace)
+                    elif self._queue or now - self._last < self.idle_after:
+                        cv.wait(self.grace)
+                    else:
+                        self._urgent = False
+                        self._asleep = True
+                        cv.wait()
+                        self._asleep = False
+                head = self._queue.popleft()
+                head.started = True
+                self._busy = True
+                if not self._queue:
+                    self._urgent = False
+            try:
+                head.run()
+            finally:
+                with cv:
+                    self._busy = False
+                    self._last = time.monotonic()
+
+    def close(self, error: Optional[BaseException] = None) -> None:
+        """Fail the queued jobs, stop the worker (after its current job). Idempotent."""
+        with self._cv:
+            if self._closed is not None:
+                return
+            self._closed = error or DistBackendError(f"{self.name}: the process group was destroyed")
+            queued = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        for job in queued:
+            job.started = True
+            job.work.set_exception(self._closed)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
+
+    def thread(self) -> Optional[threading.Thread]:
+        return self._thread

@@ -1,0 +1,586 @@
+"""Frames over the mesh of sockets: one reader thread per peer, posted receives, stashes.
+
+A reader thread reads each frame's header and hands the payload to the receive
+posted for it, reading straight into the destination tensor (zero copy); a frame
+nobody waits for yet goes into a freshly allocated buffer in that peer's stash,
+from which the next matching receive copies it.
+
+- Collective frames from one peer are matched FIFO and their header (operation,
+  reduce op, sequence number, dtype, size) must be what the receiver expects; a
+  mismatch fails the group everywhere (ABORT frames carry the reason to the peers).
+- P2P frames match posted receives by (source or any source, tag) in posting order;
+  frames between a pair stay in order. A size or dtype mismatch fails that receive only.
+- A peer whose connection ends without a BYE frame (crash, reset) breaks the group:
+  every pending and later operation raises. A peer that said BYE (destroyed its group)
+  only fails the operations that need it.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+from tdist._errors import DistBackendError, DistBackendTimeoutError
+
+from .wire import (
+    ABORT,
+    BYE,
+    COLL,
+    FRAME_MAGIC,
+    HEADER,
+    P2P,
+    describe,
+    dtype_name,
+    pack_header,
+)
+
+__all__ = ["Transport", "PostedRecv"]
+
+_READ_BUFFER = 64 << 10  # a reader's buffered chunk (headers and small payloads)
+_SMALL_SEND = 16 << 10  # payloads up to this size are sent joined to their header
+_READ_AHEAD = 8 << 10  # bytes a reader asks for beyond the header it needs
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+
+
+class PostedRecv:
+    """A receive waiting for one frame. Collective receives complete by releasing
+    ``done``; P2P receives call ``callback(self)`` instead."""
+
+    __slots__ = ("src", "dest", "nbytes", "op", "redop", "seq", "dtype", "tag", "done", "error", "source",
+                 "callback")
+
+    def __init__(self, src: Optional[int], dest: memoryview, op: int, redop: int, seq: int, dtype: int,
+                 tag: int = 0, callback: Optional[Callable[["PostedRecv"], None]] = None) -> None:
+        self.src = src
+        self.dest = dest
+        self.nbytes = len(dest)
+        self.op = op
+        self.redop = redop
+        self.seq = seq
+        self.dtype = dtype
+        self.tag = tag
+        self.error: Optional[BaseException] = None
+        self.source = -1 if src is None else src
+        self.callback = callback
+        self.done = threading.Lock()
+        self.done.acquire()
+
+    def finish(self, error: Optional[BaseException] = None) -> None:
+        """Complete the receive (called exactly once, by whoever took it off a list)."""
+        self.error = error
+        if self.callback is None:
+            self.done.release()
+            return
+        try:  # completes a Work, which runs its done-callbacks: never let them break a reader
+            self.callback(self)
+        except Exception:
+            pass
+
+
+class _Stashed:
+    """A frame that arrived before its receive was posted (``ready`` once fully read)."""
+
+    __slots__ = ("op", "redop", "seq", "dtype", "tag", "nbytes", "shape", "data", "ready", "error", "arrival")
+
+    def __init__(self, op: int, redop: int, seq: int, dtype: int, tag: int, nbytes: int, shape: tuple,
+                 arrival: int) -> None:
+        self.op, self.redop, self.seq, self.dtype, self.tag = op, redop, seq, dtype, tag
+        self.nbytes = nbytes
+        self.shape = shape
+        self.data = np.empty(nbytes, dtype=np.uint8)
+        self.ready = threading.Lock()
+        self.ready.acquire()
+        self.error: Optional[BaseException] = None
+        self.arrival = arrival
+
+    def finish(self, error: Optional[BaseException] = None) -> None:
+        self.error = error
+        self.ready.release()
+
+
+class _Peer:
+    __slots__ = ("rank", "sock", "send_lock", "coll_posted", "coll_stash", "p2p_stash", "closed", "said_bye",
+                 "reader", "label")
+
+    def __init__(self, rank: int, sock: socket.socket, label: str) -> None:
+        self.rank = rank
+        self.sock = sock
+        self.label = label
+        self.send_lock = threading.Lock()
+        self.coll_posted: deque[PostedRecv] = deque()
+        self.coll_stash: deque[_Stashed] = deque()
+        self.p2p_stash: list[_Stashed] = []
+        self.closed: Optional[str] = None  # why this peer can no longer be reached
+        self.said_bye = False
+        self.reader: Optional[threading.Thread] = None
+
+
+class _EOF(Exception):
+    pass
+
+
+class _Corrupt(Exception):
+    pass
+
+
+class Transport:
+    """The sockets to every peer of one group and the matching of frames to receives."""
+
+    def __init__(self, rank: int, size: int, sockets: dict[int, socket.socket], timeout: float,
+                 global_ranks: Optional[Sequence[int]] = None) -> None:
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self._global = list(global_ranks) if global_ranks else list(range(size))
+        self._lock = threading.Lock()
+        self._p2p_posted: list[PostedRecv] = []
+        self._arrivals = 0
+        self.broken: Optional[DistBackendError] = None
+        self._closing = False
+        self._helpers: list[threading.Thread] = []
+        self.peers: list[Optional[_Peer]] = [None] * size
+        sndtimeo = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
+        for peer_rank, sock in sockets.items():
+            try:  # a send blocked this long means the peer stopped draining: give up
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, sndtimeo)
+            except (OSError, OverflowError):
+                pass
+            self.peers[peer_rank] = _Peer(peer_rank, sock, self.label(peer_rank))
+        for peer in self.peers:
+            if peer is not None:
+                peer.reader = threading.Thread(
+                    target=self._read_loop, args=(peer,), name=f"tdist-tcp-r{rank}-from{peer.rank}", daemon=True
+                )
+                peer.reader.start()
+
+    # ------------------------------------------------------------------ names
+    def label(self, rank: int) -> str:
+        if rank < len(self._global) and self._global[rank] != rank:
+            return f"rank {rank} (global {self._global[rank]})"
+        return f"rank {rank}"
+
+    @property
+    def me(self) -> str:
+        return self.label(self.rank)
+
+    # ---------------------------------------------------------------- sending
+    def send(self, dst: int, header: bytes, payload: memoryview) -> None:
+        """Send one frame to ``dst`` (frames to one peer never interleave)."""
+        peer = self.peers[dst]
+        if self.broken is not None:
+            raise self.broken
+        if peer is None:
+            raise DistBackendError(f"tcp backend: {self.me} cannot send to itself")
+        if peer.closed is not None:
+            raise DistBackendError(peer.closed)
+        n = len(payload)
+        try:
+            with peer.send_lock:
+                sock = peer.sock
+                if n <= _SMALL_SEND:
+                    sock.sendall(header + payload if n else header)
+                else:
+                    total = len(header) + n
+                    sent = sock.sendmsg([header, payload])
+                    if sent < total:
+                        if sent < len(header):
+                            sock.sendall(header[sent:])
+                            sent = len(header)
+                        sock.sendall(payload[sent - len(header):])
+        except OSError as exc:
+            raise self._send_failed(peer, exc) from None
+
+    def _send_failed(self, peer: _Peer, exc: OSError) -> DistBackendError:
+        if self.broken is not None:
+            return self.broken
+        if peer.closed is not None:
+            return DistBackendError(peer.closed)
+        if isinstance(exc, (BlockingIOError, socket.timeout)):
+            err: DistBackendError = DistBackendTimeoutError(
+                f"tcp backend: {self.me} timed out after {self.timeout:g} s sending to {peer.label} "
+                "(it stopped reading its connection)"
+            )
+        else:
+            err = DistBackendError(
+                f"tcp backend: {self.me} lost its connection to {peer.label} while sending "
+                f"({type(exc).__name__}: {exc}); that rank probably died"
+            )
+        self.fail(err)
+        return err
+
+    # ------------------------------------------------------------ collectives
+    def post_coll(self, src: int, dest: memoryview, op: int, redop: int, seq: int, dtype: int,
+                  deadline: float) -> PostedRecv:
+        """Post the receive of the next collective frame from ``src`` into ``dest``."""
+        pr = PostedRecv(src, dest, op, redop, seq, dtype)
+        peer = self.peers[src]
+        with self._lock:
+            if self.broken is not None:
+                raise self.broken
+            if peer.coll_stash:
+                stashed = peer.coll_stash.popleft()
+            elif peer.closed is not None:
+                raise DistBackendError(peer.closed)
+            else:
+                peer.coll_posted.append(pr)
+                return pr
+        self._take_stashed(pr, stashed, peer, deadline)
+        if stashed.op != op or stashed.redop != redop or stashed.seq != seq or stashed.dtype != dtype \
+                or stashed.nbytes != pr.nbytes:
+            err = self._mismatch(pr, peer, stashed.op, stashed.redop, stashed.seq, stashed.dtype, stashed.nbytes)
+            self.fail(err)
+            raise err
+        if pr.nbytes:
+            dest[:] = stashed.data
+        pr.done.release()
+        return pr
+
+    def _take_stashed(self, pr: PostedRecv, stashed: _Stashed, peer: _Peer, deadline: float) -> None:
+        """Wait until a stashed frame is fully read (it usually is)."""
+        if not stashed.ready.acquire(True, max(0.0, deadline - time.monotonic())):
+            raise DistBackendTimeoutError(
+                f"tcp backend: {self.me} timed out after {self.timeout:g} s receiving "
+                f"{describe(stashed.op, stashed.redop, stashed.seq, stashed.dtype, stashed.nbytes)} from {peer.label}"
+            )
+        if stashed.error is not None:
+            raise stashed.error
+
+    def wait_coll(self, pr: PostedRecv, deadline: float) -> None:
+        """Wait for a posted collective receive; raise its error or a timeout naming the peer."""
+        if pr.done.acquire(True, max(0.0, deadline - time.monotonic())):
+            if pr.error is not None:
+                raise pr.error
+            return
+        peer = self.peers[pr.src]
+        with self._lock:
+            try:
+                peer.coll_posted.remove(pr)
+            except ValueError:
+                pass
+        raise DistBackendTimeoutError(
+            f"tcp backend: {self.me} timed out after {self.timeout:g} s in "
+            f"{describe(pr.op, pr.redop, pr.seq, pr.dtype, pr.nbytes)} waiting for {peer.label}"
+        )
+
+    def _mismatch(self, pr: PostedRecv, peer: _Peer, op: int, redop: int, seq: int, dtype: int,
+                  nbytes: int) -> DistBackendError:
+        return DistBackendError(
+            f"tcp backend: {self.me} expected {describe(pr.op, pr.redop, pr.seq, pr.dtype, pr.nbytes)} "
+            f"from {peer.label} but got {describe(op, redop, seq, dtype, nbytes)} (the ranks called different "
+            "collectives, or with different sizes, dtypes or reduce ops)"
+        )
+
+    # ------------------------------------------------------------------ p2p
+    def post_p2p(self, src: Optional[int], tag: int, dtype: int, dest: memoryview,
+                 callback: Callable[[PostedRecv], None]) -> PostedRecv:
+        """Post a P2P receive (``src`` None: any source); ``callback`` runs on completion."""
+        pr = PostedRecv(src, dest, 0, 0, 0, dtype, tag, callback)
+        with self._lock:
+            if self.broken is not None:
+                raise self.broken
+            found: Optional[tuple[_Peer, _Stashed]] = None
+            if src is not None:
+                peer = self.peers[src]
+                for stashed in peer.p2p_stash:
+                    if stashed.tag == tag:
+                        found = (peer, stashed)
+                        break
+                if found is None and peer.closed is not None:
+                    raise DistBackendError(peer.closed)
+            else:
+                for peer in self.peers:
+                    if peer is None:
+                        continue
+                    for stashed in peer.p2p_stash:
+                        if stashed.tag == tag:
+                            if found is None or stashed.arrival < found[1].arrival:
+                                found = (peer, stashed)
+                            break
+                if found is None and all(p is None or p.closed is not None for p in self.peers):
+                    raise DistBackendError(f"tcp backend: {self.me} cannot receive from any rank: all peers are gone")
+            if found is None:
+                self._p2p_posted.append(pr)
+                return pr
+            found[0].p2p_stash.remove(found[1])
+        peer, stashed = found
+        deadline = time.monotonic() + self.timeout
+        try:
+            self._take_stashed(pr, stashed, peer, deadline)
+        except DistBackendError as exc:
+            pr.finish(exc)
+            return pr
+        pr.source = peer.rank
+        if stashed.dtype != dtype or stashed.nbytes != pr.nbytes:
+            pr.finish(self._p2p_mismatch(pr, peer, stashed.dtype, stashed.nbytes, stashed.shape))
+            return pr
+        if pr.nbytes:
+            dest[:] = stashed.data
+        pr.finish()
+        return pr
+
+    def cancel_p2p(self, pr: PostedRecv) -> bool:
+        """Withdraw a posted P2P receive that nothing matched yet; True if withdrawn."""
+        with self._lock:
+            try:
+                self._p2p_posted.remove(pr)
+            except ValueError:
+                return False
+        return True
+
+    def _p2p_mismatch(self, pr: PostedRecv, peer: _Peer, dtype: int, nbytes: int, shape: tuple) -> DistBackendError:
+        src = "any source" if pr.src is None else f"src={pr.src}"
+        return DistBackendError(
+            f"tcp backend: {self.me} recv({src}, tag={pr.tag}) expects {dtype_name(pr.dtype)} x {pr.nbytes} bytes "
+            f"but {peer.label} sent {dtype_name(dtype)}{list(shape)} x {nbytes} bytes"
+        )
+
+    # --------------------------------------------------------------- readers
+    def _read_loop(self, peer: _Peer) -> None:
+        sock = peer.sock
+        buf = bytearray(_READ_BUFFER)
+        mv = memoryview(buf)
+        start = end = 0
+        hsize = HEADER.size
+        unpack = HEADER.unpack_from
+        current: Any = None  # the receive or stash entry being filled
+        try:
+            while True:
+                if end - start < hsize:
+                    start, end = _fill(sock, buf, mv, start, end, hsize)
+                magic, kind, op, redop, dtype, ndim, tag, seq, nbytes = unpack(buf, start)
+                if magic != FRAME_MAGIC:
+                    raise _Corrupt(f"bad frame magic {magic:#x}")
+                hlen = hsize + 8 * ndim
+                if end - start < hlen:
+                    start, end = _fill(sock, buf, mv, start, end, hlen)
+                shape = struct.unpack_from(f"<{ndim}q", buf, start + hsize) if ndim else ()
+                start += hlen
+                if kind == COLL:
+                    target, current = self._on_coll(peer, op, redop, seq, dtype, nbytes, shape)
+                elif kind == P2P:
+                    target, current = self._on_p2p(peer, tag, dtype, seq, nbytes, shape)
+                elif kind == ABORT or kind == BYE:
+                    if nbytes > (1 << 20):
+                        raise _Corrupt(f"{nbytes}-byte control frame")
+                    target, current = memoryview(bytearray(nbytes)), None
+                else:
+                    raise _Corrupt(f"unknown frame kind {kind}")
+                if nbytes:
+                    # payload: first what the buffer holds, then straight from the socket
+                    take = min(end - start, nbytes)
+                    if target is not None:
+                        target[:take] = mv[start:start + take]
+                    start += take
+                    got = take
+                    while got < nbytes:
+                        if target is not None:  # one syscall for the rest of the payload
+                            n = sock.recv_into(target[got:], nbytes - got, _WAITALL)
+                        else:  # discard: the buffer is empty here, use it as scratch
+                            n = sock.recv_into(mv, min(len(buf), nbytes - got))
+                        if n == 0:
+                            raise _EOF()
+                        got += n
+                if start == end:
+                    start = end = 0
+                if current is not None:
+                    done, current = current, None
+                    if kind == P2P and isinstance(done, PostedRecv):
+                        done.source = peer.rank
+                    done.finish()
+                elif kind == ABORT:
+                    reason = bytes(target).decode("utf-8", "replace")
+                    self.fail(DistBackendError(f"tcp backend: {peer.label} aborted the group: {reason}"), notify=False)
+                elif kind == BYE:
+                    peer.said_bye = True
+        except _EOF:
+            problem = None if peer.said_bye else "it closed the connection without saying goodbye"
+        except _Corrupt as exc:
+            problem = f"it sent a corrupt frame ({exc})"
+        except OSError as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        except BaseException as exc:  # never let a reader die silently
+            problem = f"reader failed: {type(exc).__name__}: {exc}"
+        if self._closing:
+            err = DistBackendError(f"tcp backend: {self.me}'s process group was destroyed")
+        elif problem is None:
+            err = DistBackendError(
+                f"tcp backend: {peer.label} has shut down its process group; {self.me} cannot communicate with it"
+            )
+        else:
+            err = DistBackendError(
+                f"tcp backend: {self.me} lost its connection to {peer.label} ({problem}); that rank probably died"
+            )
+        if current is not None:
+            current.finish(err)
+        self._peer_gone(peer, err, crashed=problem is not None and not self._closing)
+
+    def _on_coll(self, peer: _Peer, op: int, redop: int, seq: int, dtype: int, nbytes: int,
+                 shape: tuple) -> tuple[Optional[memoryview], Any]:
+        with self._lock:
+            if self.broken is not None:
+                return None, None
+            if not peer.coll_posted:
+                self._arrivals += 1
+                stashed = _Stashed(op, redop, seq, dtype, 0, nbytes, shape, self._arrivals)
+                peer.coll_stash.append(stashed)
+                return memoryview(stashed.data), stashed
+            pr = peer.coll_posted.popleft()
+        if pr.op != op or pr.redop != redop or pr.seq != seq or pr.dtype != dtype or pr.nbytes != nbytes:
+            err = self._mismatch(pr, peer, op, redop, seq, dtype, nbytes)
+            pr.finish(err)
+            self.fail(err)
+            return None, None
+        return pr.dest, pr
+
+    def _on_p2p(self, peer: _Peer, tag: int, dtype: int, seq: int, nbytes: int,
+                shape: tuple) -> tuple[Optional[memoryview], Any]:
+        with self._lock:
+            if self.broken is not None:
+                return None, None
+            found = None
+            for index, pr in enumerate(self._p2p_posted):
+                if pr.tag == tag and (pr.src is None or pr.src == peer.rank):
+                    found = pr
+                    del self._p2p_posted[index]
+                    break
+            if found is None:
+                self._arrivals += 1
+                stashed = _Stashed(0, 0, seq, dtype, tag, nbytes, shape, self._arrivals)
+                peer.p2p_stash.append(stashed)
+                return memoryview(stashed.data), stashed
+        found.source = peer.rank
+        if found.dtype != dtype or found.nbytes != nbytes:
+            found.finish(self._p2p_mismatch(found, peer, dtype, nbytes, shape))
+            return None, None
+        return found.dest, found
+
+    # ---------------------------------------------------------------- failure
+    def fail(self, err: DistBackendError, notify: bool = True) -> None:
+        """Break the group: every pending and later operation raises ``err``.
+        With ``notify``, ABORT frames tell the peers (so they raise instead of waiting)."""
+        with self._lock:
+            if self.broken is not None:
+                return
+            self.broken = err
+            pending: list[Any] = list(self._p2p_posted)
+            self._p2p_posted.clear()
+            for peer in self.peers:
+                if peer is not None:
+                    pending.extend(peer.coll_posted)
+                    peer.coll_posted.clear()
+        for pr in pending:
+            pr.finish(err)
+        if notify and not self._closing:
+            helper = threading.Thread(target=self._send_aborts, args=(str(err),), name="tdist-tcp-abort", daemon=True)
+            self._helpers.append(helper)
+            helper.start()
+
+    def _send_aborts(self, reason: str) -> None:
+        payload = reason.encode()[:4000]
+        frame = pack_header(ABORT, 0, 0, 0, 0, 0, len(payload)) + payload
+        for peer in self.peers:
+            if peer is not None and peer.closed is None:
+                _send_control(peer, frame, 2.0)
+
+    def _peer_gone(self, peer: _Peer, err: DistBackendError, crashed: bool) -> None:
+        with self._lock:
+            if peer.closed is None:
+                peer.closed = str(err)
+            pending: list[Any] = list(peer.coll_posted)
+            peer.coll_posted.clear()
+            everyone_gone = all(p is None or p.closed is not None for p in self.peers)
+            keep = []
+            for pr in self._p2p_posted:
+                if pr.src == peer.rank or (pr.src is None and everyone_gone):
+                    pending.append(pr)
+                else:
+                    keep.append(pr)
+            self._p2p_posted[:] = keep
+        for pr in pending:
+            pr.finish(err)
+        if crashed:
+            self.fail(err)
+
+    # ---------------------------------------------------------------- closing
+    def close(self, linger: float = 1.0) -> None:
+        """Say BYE to every peer, close the connections and stop the readers. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.broken is None:
+            self.fail(DistBackendError(f"tcp backend: {self.me}'s process group was destroyed"), notify=False)
+        bye = pack_header(BYE, 0, 0, 0, 0, 0, 0)
+        for peer in self.peers:
+            if peer is None:
+                continue
+            if peer.closed is None:
+                _send_control(peer, bye, 1.0)
+            try:
+                peer.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + linger  # let the peers' BYEs arrive (avoids resets)
+        for peer in self.peers:
+            if peer is not None and peer.reader is not None:
+                peer.reader.join(max(0.0, deadline - time.monotonic()))
+        for peer in self.peers:
+            if peer is None:
+                continue
+            try:
+                peer.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for peer in self.peers:
+            if peer is None:
+                continue
+            if peer.reader is not None:
+                peer.reader.join(2.0)
+            peer.sock.close()
+        for helper in self._helpers:
+            helper.join(3.0)
+
+    def threads(self) -> list[threading.Thread]:
+        return [p.reader for p in self.peers if p is not None and p.reader is not None] + self._helpers
+
+
+def _send_control(peer: _Peer, frame: bytes, limit: float) -> bool:
+    """Best-effort send of a small control frame without blocking longer than ``limit``
+    (never changes the socket's blocking mode, which its reader relies on)."""
+    deadline = time.monotonic() + limit
+    if not peer.send_lock.acquire(True, limit):
+        return False
+    try:
+        view = memoryview(frame)
+        while view:
+            try:
+                view = view[peer.sock.send(view, socket.MSG_DONTWAIT):]
+            except (BlockingIOError, InterruptedError):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.005)
+        return True
+    except OSError:
+        return False
+    finally:
+        peer.send_lock.release()
+
+
+def _fill(sock: socket.socket, buf: bytearray, mv: memoryview, start: int, end: int, need: int) -> tuple[int, int]:
+    """Read until ``buf[start:end]`` holds at least ``need`` bytes."""
+    if len(buf) - start < need:
+        kept = end - start
+        buf[:kept] = bytes(mv[start:end])
+        start, end = 0, kept
+    while end - start < need:
+        # read ahead a little (several small frames per syscall) but not far into a
+        # large payload, which goes straight to its destination instead
+        n = sock.recv_into(mv[end:], min(len(buf) - end, max(need - (end - start), _READ_AHEAD)))
+        if n == 0:
+            raise _EOF()
+        end += n
+    return start, end

@@ -1,0 +1,143 @@
+"""The tcp backend's wire format: frame headers, handshake, dtype and operation codes,
+and zero-copy byte views of tensors.
+
+Every message is one *frame*: a fixed :data:`HEADER` followed by ``ndim`` int64
+shape entries and ``nbytes`` raw bytes (a tensor's memory as it is, never pickle).
+
+Header fields (little endian): magic, kind (:data:`COLL`, :data:`P2P`, :data:`ABORT`,
+:data:`BYE`), operation code, reduce-op code, dtype code, ndim, tag (P2P), sequence
+number (the group's collective counter, or the per-pair P2P counter) and payload size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "FRAME_MAGIC", "HEADER", "HELLO", "HELLO_MAGIC", "PROTOCOL_VERSION",
+    "COLL", "P2P", "ABORT", "BYE", "KIND_NAMES",
+    "OP_NAMES", "OP_CODES", "OP_ACK", "REDOP_NAMES", "redop_code",
+    "dtype_code", "dtype_name", "pack_header", "byte_view", "describe",
+]
+
+PROTOCOL_VERSION = 1
+FRAME_MAGIC = 0x46544454  # b"TDTF" little endian
+#: magic, kind, op, redop, dtype, ndim, (3 pad), tag, seq, nbytes
+HEADER = struct.Struct("<IBBBBB3xqqQ")
+#: magic, protocol version, group nonce, sender's group rank, world size
+HELLO = struct.Struct("<8sI16sII")
+HELLO_MAGIC = b"TDISTTCP"
+
+COLL, P2P, ABORT, BYE = 1, 2, 3, 4
+KIND_NAMES = {COLL: "collective", P2P: "p2p", ABORT: "abort", BYE: "bye"}
+
+OP_NAMES = (
+    "?", "send", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
+    "reduce_scatter", "all_to_all", "barrier", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "all_to_all_single", "ack",
+)
+OP_CODES = {name: code for code, name in enumerate(OP_NAMES)}
+#: the empty frame a receiver returns to a rank that would otherwise only send
+#: (broadcast/scatter roots, reduce/gather senders), so every rank of a collective
+#: learns that its peers agreed on what it was
+OP_ACK = OP_CODES["ack"]
+
+REDOP_NAMES = ("", "SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM")
+_REDOP_CODES = {name: code for code, name in enumerate(REDOP_NAMES)}
+
+
+def redop_code(reduction: Any) -> int:
+    """The wire code of a :class:`tdist.Reduction` (0 for none)."""
+    return 0 if reduction is None else _REDOP_CODES.get(reduction.op.name, 0)
+
+
+# Every torch dtype the wire knows by name; unknown ones travel as code 255 (bytes
+# still move, but a mismatch between two unknown dtypes cannot be detected).
+_DTYPE_NAMES = (
+    "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "complex32",
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+)
+_dtype_codes: Optional[dict] = None
+_dtype_by_code: dict[int, str] = {0: "-", 255: "unknown dtype"}
+
+
+def _init_dtypes() -> dict:
+    global _dtype_codes
+    import torch
+
+    codes = {}
+    for index, name in enumerate(_DTYPE_NAMES, start=1):
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype):
+            codes[dtype] = index
+            _dtype_by_code[index] = name
+    _dtype_codes = codes
+    return codes
+
+
+def dtype_code(dtype: "torch.dtype") -> int:
+    """The wire code of ``dtype`` (255 if this table does not know it)."""
+    codes = _dtype_codes if _dtype_codes is not None else _init_dtypes()
+    return codes.get(dtype, 255)
+
+
+def dtype_name(code: int) -> str:
+    if _dtype_codes is None:
+        _init_dtypes()
+    return _dtype_by_code.get(code, f"dtype#{code}")
+
+
+def pack_header(kind: int, op: int, redop: int, dtype: int, tag: int, seq: int, nbytes: int,
+                shape: tuple = ()) -> bytes:
+    """One frame header; ``shape`` is informational (receivers check sizes, not shapes)."""
+    ndim = len(shape)
+    if ndim > 64:  # keep frames small; only the element count matters
+        shape, ndim = (nbytes,), 1
+    head = HEADER.pack(FRAME_MAGIC, kind, op, redop, dtype, ndim, tag, seq, nbytes)
+    if ndim:
+        return head + struct.pack(f"<{ndim}q", *shape)
+    return head
+
+
+_EMPTY = memoryview(bytearray(0))
+_array_types: dict[int, Any] = {}
+
+
+def byte_view(flat: "torch.Tensor") -> memoryview:
+    """A writable uint8 memoryview of a contiguous tensor's memory (every dtype, zero copy).
+
+    The view keeps the tensor alive. ``flat`` must be contiguous and must not be a
+    conjugate or negative view (resolve those first); CPU tensors only.
+    """
+    nbytes = flat.nbytes
+    if nbytes == 0:
+        return _EMPTY
+    array_type = _array_types.get(nbytes)
+    if array_type is None:
+        if len(_array_types) > 4096:
+            _array_types.clear()
+        array_type = _array_types[nbytes] = ctypes.c_ubyte * nbytes
+    array = array_type.from_address(flat.data_ptr())
+    array.tensor = flat  # the memoryview keeps the array alive, the array the tensor
+    return memoryview(array).cast("B")
+
+
+def describe(op: int, redop: int, seq: int, dtype: int, nbytes: int, kind: int = COLL, tag: int = 0) -> str:
+    """Human-readable frame identity, e.g. ``all_reduce(SUM)#7 float32 x 16 bytes``."""
+    if kind == P2P:
+        return f"p2p message (tag {tag}) {dtype_name(dtype)} x {nbytes} bytes"
+    if kind != COLL:
+        return f"{KIND_NAMES.get(kind, f'kind {kind}')} frame"
+    if op == OP_ACK:
+        return f"acknowledgement#{seq} (of this rank's frames)"
+    name = OP_NAMES[op] if 0 <= op < len(OP_NAMES) else f"op#{op}"
+    if redop:
+        name += f"({REDOP_NAMES[redop] if redop < len(REDOP_NAMES) else redop})"
+    return f"{name}#{seq} {dtype_name(dtype)} x {nbytes} bytes"

@@ -1,0 +1,264 @@
+"""In-process unit tests: wire format, byte views, reduction helpers, lanes."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+
+import pytest
+import torch
+from tdist._errors import DistBackendError
+from tdist._reduce_op import ReduceOp, Reduction, make_premul_sum
+from tdist.reduction import check_reduction, combine_, finalize_, prescale_, prescaled
+from tdist_tcp import algorithms as algo
+from tdist_tcp import wire
+from tdist_tcp.lanes import Lane, TcpWork
+
+pytestmark = pytest.mark.timeout(60)
+
+ALL_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+]
+
+
+# -------------------------------------------------------------------- wire
+def test_header_roundtrip_and_size():
+    head = wire.pack_header(wire.COLL, wire.OP_CODES["all_reduce"], 1, wire.dtype_code(torch.float16), -5, 7, 12345,
+                            (2, 3))
+    assert len(head) == wire.HEADER.size + 16
+    magic, kind, op, redop, dtype, ndim, tag, seq, nbytes = wire.HEADER.unpack_from(head)
+    assert (magic, kind, op, redop, ndim, tag, seq, nbytes) == (wire.FRAME_MAGIC, wire.COLL, 3, 1, 2, -5, 7, 12345)
+    assert wire.dtype_name(dtype) == "float16"
+    assert struct.unpack_from("<2q", head, wire.HEADER.size) == (2, 3)
+
+
+def test_huge_ndim_is_flattened():
+    head = wire.pack_header(wire.P2P, 1, 0, 1, 0, 0, 8, tuple([1] * 100))
+    assert wire.HEADER.unpack_from(head)[5] == 1
+
+
+def test_dtype_codes_unique_and_named():
+    codes = [wire.dtype_code(d) for d in ALL_DTYPES]
+    assert len(set(codes)) == len(codes) and 255 not in codes
+    assert wire.dtype_name(wire.dtype_code(torch.complex128)) == "complex128"
+
+
+def test_describe_names_op_seq_dtype_size():
+    text = wire.describe(wire.OP_CODES["all_reduce"], wire.redop_code(Reduction(ReduceOp.SUM)), 7,
+                         wire.dtype_code(torch.float32), 16)
+    assert text == "all_reduce(SUM)#7 float32 x 16 bytes"
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_byte_view_every_dtype_is_zero_copy(dtype):
+    t = torch.zeros(5, dtype=dtype)
+    view = wire.byte_view(t)
+    assert view.nbytes == 5 * t.element_size() and view.format == "B" and not view.readonly
+    src = torch.ones(5, dtype=dtype)
+    view[:] = wire.byte_view(src)
+    assert torch.equal(t, src)
+
+
+def test_byte_view_scalar_and_empty():
+    assert wire.byte_view(torch.tensor(3.0)).nbytes == 4
+    assert wire.byte_view(torch.empty(0, dtype=torch.complex64)).nbytes == 0
+    t = torch.ones(3, requires_grad=True)
+    assert wire.byte_view(t).nbytes == 12
+
+
+# ---------------------------------------------------------------- reduction
+@pytest.mark.parametrize("op,dtype,error", [
+    (ReduceOp.BAND, torch.float32, TypeError),
+    (ReduceOp.BXOR, torch.complex64, TypeError),
+    (ReduceOp.AVG, torch.int32, TypeError),
+    (ReduceOp.AVG, torch.bool, TypeError),
+    (ReduceOp.MIN, torch.complex64, TypeError),
+    (ReduceOp.MAX, torch.complex128, TypeError),
+    (ReduceOp.PRODUCT, torch.complex64, TypeError),
+])
+def test_check_reduction_rejects(op, dtype, error):
+    with pytest.raises(error, match=op.name):
+        check_reduction(Reduction(op), dtype, "tcp")
+
+
+def test_check_reduction_premul_sum_factor():
+    check_reduction(make_premul_sum(2.0), torch.bfloat16, "tcp")
+    check_reduction(make_premul_sum(3), torch.int32, "tcp")
+    check_reduction(make_premul_sum(1j), torch.complex64, "tcp")
+    with pytest.raises(TypeError):
+        check_reduction(make_premul_sum(2.5), torch.int64, "tcp")
+    with pytest.raises(TypeError):
+        check_reduction(make_premul_sum(1j), torch.float32, "tcp")
+    with pytest.raises(TypeError):
+        check_reduction(make_premul_sum(2), torch.bool, "tcp")
+    with pytest.raises(ValueError):
+        check_reduction(Reduction(ReduceOp.PREMUL_SUM, None), torch.float32, "tcp")
+    with pytest.raises(ValueError):
+        check_reduction(Reduction(ReduceOp.PREMUL_SUM, torch.ones(2)), torch.float32, "tcp")
+    with pytest.raises(TypeError):
+        check_reduction(Reduction(ReduceOp.PREMUL_SUM, "x"), torch.float32, "tcp")
+
+
+@pytest.mark.parametrize("op,expected", [
+    (ReduceOp.SUM, [True, True, True, False]), (ReduceOp.MAX, [True, True, True, False]),
+    (ReduceOp.PRODUCT, [True, False, False, False]), (ReduceOp.MIN, [True, False, False, False]),
+    (ReduceOp.BAND, [True, False, False, False]), (ReduceOp.BOR, [True, True, True, False]),
+    (ReduceOp.BXOR, [False, True, True, False]),
+])
+def test_combine_bool(op, expected):
+    a = torch.tensor([True, True, False, False])
+    combine_(a, torch.tensor([True, False, True, False]), Reduction(op))
+    assert a.tolist() == expected and a.dtype == torch.bool
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.uint8])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX])
+def test_combine_numeric(dtype, op):
+    a = torch.tensor([1, 5, 3], dtype=dtype)
+    b = torch.tensor([4, 2, 3], dtype=dtype)
+    ref = {ReduceOp.SUM: [5, 7, 6], ReduceOp.PRODUCT: [4, 10, 9], ReduceOp.MIN: [1, 2, 3], ReduceOp.MAX: [4, 5, 3]}
+    assert combine_(a, b, Reduction(op)).tolist() == ref[op] and a.dtype == dtype
+
+
+def test_combine_complex_and_bitwise():
+    a = torch.tensor([1 + 2j, 3j], dtype=torch.complex64)
+    combine_(a, torch.tensor([1j, 2], dtype=torch.complex64), Reduction(ReduceOp.PRODUCT))
+    assert a.tolist() == [(-2 + 1j), 6j]
+    x = torch.tensor([0b1100, 0b1010], dtype=torch.int16)
+    combine_(x, torch.tensor([0b1010, 0b0110], dtype=torch.int16), Reduction(ReduceOp.BXOR))
+    assert x.tolist() == [0b0110, 0b1100]
+
+
+def test_prescale_and_finalize_keep_dtype():
+    half = torch.ones(3, dtype=torch.float16)
+    op = make_premul_sum(torch.tensor([2.5], dtype=torch.float64))  # a shape-[1] float64 factor
+    assert prescaled(half, op).dtype == torch.float16 and prescaled(half, op).tolist() == [2.5] * 3
+    assert half.tolist() == [1.0] * 3  # prescaled does not modify
+    prescale_(half, op)
+    assert half.tolist() == [2.5] * 3
+    t = torch.tensor(6.0, dtype=torch.bfloat16)  # 0-dim
+    prescale_(t, op)
+    assert t.item() == 15.0 and t.dim() == 0
+    avg = torch.tensor([6.0, 3.0])
+    finalize_(avg, Reduction(ReduceOp.AVG), 3)
+    assert avg.tolist() == [2.0, 1.0]
+    plain = torch.ones(2)
+    assert prescaled(plain, Reduction(ReduceOp.SUM)) is plain
+    assert finalize_(plain, Reduction(ReduceOp.SUM), 4).tolist() == [1.0, 1.0]
+
+
+def test_serial_helpers_match_whole_tensor_ops():
+    a = torch.randn(100_003)
+    b = torch.randn(100_003)
+    want = torch.maximum(a, b)
+    algo.combine_serial(a, b, Reduction(ReduceOp.MAX))
+    assert torch.equal(a, want)
+    out = torch.empty(100_003)
+    algo.copy_serial(out, b)
+    assert torch.equal(out, b)
+
+
+def test_segments():
+    assert algo.segments(0, 4) == []
+    assert algo.segments(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert algo.segments(3, 10) == [(0, 3)]
+
+
+# -------------------------------------------------------------------- lanes
+def test_lane_runs_job_in_the_waiting_thread():
+    lane = Lane("test-lane", grace=5.0, inline_limit=1.0)
+    ran_in = []
+    work = TcpWork("job", 10.0)
+    lane.submit(lambda: ran_in.append(threading.current_thread()) or [1], work)
+    assert work.wait() and work.result() == [1]
+    assert ran_in == [threading.current_thread()]
+    lane.close()
+
+
+def test_lane_worker_runs_unclaimed_job_after_grace_in_order():
+    lane = Lane("test-lane", grace=0.01, inline_limit=1.0)
+    order = []
+    works = [TcpWork(f"job{i}", 10.0) for i in range(3)]
+    for i, w in enumerate(works):
+        lane.submit(lambda i=i: order.append(i) or [], w)
+    deadline = time.monotonic() + 5
+    while not all(w.is_completed() for w in works) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert order == [0, 1, 2]
+    lane.close()
+    assert not lane.thread().is_alive()
+
+
+def test_lane_waiting_on_a_later_job_runs_earlier_ones_first():
+    lane = Lane("test-lane", grace=5.0, inline_limit=1.0)
+    order = []
+    works = [TcpWork(f"job{i}", 10.0) for i in range(3)]
+    for i, w in enumerate(works):
+        lane.submit(lambda i=i: order.append(i) or [], w)
+    works[2].wait()
+    assert order == [0, 1, 2] and all(w.is_completed() for w in works)
+    lane.close()
+
+
+def test_lane_errors_and_close():
+    lane = Lane("test-lane", grace=5.0, inline_limit=1.0)
+    failing = TcpWork("bad", 10.0)
+    lane.submit(lambda: 1 / 0, failing)
+    with pytest.raises(ZeroDivisionError):
+        failing.wait()
+    queued = TcpWork("queued", 10.0)
+    lane.submit(lambda: [], queued)
+    lane.close(DistBackendError("closed for test"))
+    with pytest.raises(DistBackendError, match="closed for test"):
+        queued.wait()
+    late = TcpWork("late", 10.0)
+    lane.submit(lambda: [], late)
+    with pytest.raises(DistBackendError, match="closed for test"):
+        late.wait()
+
+
+def test_short_wait_does_not_run_inline():
+    lane = Lane("test-lane", grace=5.0, inline_limit=1.0)
+    started = threading.Event()
+    release = threading.Event()
+    work = TcpWork("slow", 10.0)
+    lane.submit(lambda: (started.set(), release.wait(5), [])[2], work)
+    with pytest.raises(TimeoutError):
+        work.wait(0.05)  # short waits hand the job to the worker instead of blocking in it
+    assert started.wait(5)
+    release.set()
+    assert work.wait(5)
+    lane.close()
+
+
+# ---------------------------------------------------------------- addresses
+class _FakeServerStore:
+    host = "localhost"
+    port = 29500
+
+
+class _FakePrefixStore:
+    def __init__(self, inner):
+        self._store = inner
+
+    def get(self, key):  # looks like a store to the endpoint walk
+        raise KeyError(key)
+
+    def set(self, key, value):
+        pass
+
+
+def test_choose_host_order(monkeypatch):
+    from tdist_tcp.mesh import HOST_ENV, IFNAME_ENV, choose_host
+
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    monkeypatch.delenv(IFNAME_ENV, raising=False)
+    wrapped = _FakePrefixStore(_FakePrefixStore(_FakeServerStore()))
+    assert choose_host(wrapped, {}) == "127.0.0.1"  # the route to the store's (loopback) server
+    assert choose_host(wrapped, {"host": "10.9.8.7"}) == "10.9.8.7"
+    monkeypatch.setenv(HOST_ENV, "10.1.2.3")
+    assert choose_host(wrapped, {}) == "10.1.2.3"
+    monkeypatch.delenv(HOST_ENV)
+    assert choose_host(wrapped, {"ifname": "lo"}) == "127.0.0.1"
