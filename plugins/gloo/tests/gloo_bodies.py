@@ -30,8 +30,8 @@ def _eq(got: Any, want: Any, what: str) -> None:
     if got.dtype.is_floating_point and got.element_size() == 1:  # float8: compare as float32
         got, want = got.float(), want.float()
     if got.dtype in (getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None)):
-        got, want = got.view(torch.int16 if got.element_size() == 2 else torch.int32 if got.element_size() == 4 else torch.int64), \
-            want.view(torch.int16 if want.element_size() == 2 else torch.int32 if want.element_size() == 4 else torch.int64)
+        signed = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+        got, want = got.view(signed), want.view(signed)
     assert torch.equal(got, want), f"{what}: got {got.tolist()}, want {want.tolist()}"
 
 
@@ -199,7 +199,8 @@ def premul_avg_complex(rank: int, world_size: int) -> int:
         ("BAND float32", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
         ("PRODUCT complex64", lambda: dist.all_reduce(torch.ones(2, dtype=torch.complex64), op=dist.ReduceOp.PRODUCT)),
         ("AVG int64", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)),
-        ("PREMUL_SUM(0.5) int32", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.make_premul_sum(0.5))),
+        ("PREMUL_SUM(0.5) int32",
+         lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.make_premul_sum(0.5))),
     ):
         try:
             call()

@@ -94,7 +94,8 @@ def run_world(
                         if r in may_exit:
                             outcome.setdefault(r, (True, None))
                         else:
-                            outcome.setdefault(r, (False, f"rank {r} exited (code {procs[r].exitcode}) without a result"))
+                            message = f"rank {r} exited (code {procs[r].exitcode}) without a result"
+                            outcome.setdefault(r, (False, message))
                 continue
             outcome[rank] = (ok, value)
     finally:

@@ -49,6 +49,9 @@ def test_describe_names_op_seq_dtype_size():
     text = wire.describe(wire.OP_CODES["all_reduce"], wire.redop_code(Reduction(ReduceOp.SUM)), 7,
                          wire.dtype_code(torch.float32), 16)
     assert text == "all_reduce(SUM)#7 float32 x 16 bytes"
+    assert wire.describe(3, 1, 7, 1, 16, part=(1 << 32) | 5).startswith("all_reduce(SUM)#7[step 1 part 5] ")
+    assert "[fold]" in wire.describe(3, 1, 7, 1, 16, part=wire.PART_FOLD)
+    assert wire.describe(wire.OP_ACK, 0, 3, 0, 0).startswith("acknowledgement#3")
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)

@@ -10,6 +10,7 @@ finer features the spec has no column for:
 ``monitored_barrier`` :func:`monitored_barrier`
 ``p2p_tags``          ``tag=`` matching in send/recv
 ``collective_mismatch``  detecting ranks that issue different collectives / sizes / dtypes / roots
+``peer_failure``      every survivor of a killed peer raises promptly (not after the timeout)
 
 A tdist backend declares a finer feature unsupported by listing its key in
 ``BackendSpec.extra["unsupported"]``; an undeclared feature counts as supported.
@@ -59,6 +60,7 @@ TORCH_BACKENDS: dict[str, dict[str, Any]] = {
         "operations": {"cpu": _ALL_OPS},
         "unsupported": {
             "collective_mismatch": "torch gloo aborts or returns wrong data on mismatched sizes/dtypes",
+            "peer_failure": "torch gloo: ranks not connected to the dead one wait for the timeout",
             "reduce_op.PREMUL_SUM": "torch gloo: 'Cannot use ReduceOp.PREMUL_SUM with Gloo'",
             "multigpu": "torch.distributed 2.x removed the *_multigpu functions",
         },

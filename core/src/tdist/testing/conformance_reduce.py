@@ -91,7 +91,7 @@ def expected_reduction(inputs: list, op: str, dtype: str) -> Any:
     return out.to(target)
 
 
-def _run(collective: str, op: Any, dtype: str, label: str, expect: Any = None, factor: Any = None) -> None:
+def _run(collective: str, op: Any, dtype: str, label: str, expect: Any = None) -> None:
     """Run ``collective`` with ``op`` on every rank's input; compare with ``expect(inputs)``."""
     torch = _torch()
     r, n = dist.get_rank(), dist.get_world_size()

@@ -339,6 +339,8 @@ _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 _GLOO_FLOATS = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 _GLOO_INTS = frozenset({torch.int8, torch.uint8, torch.int32, torch.int64})
 _GLOO_DTYPES = _GLOO_FLOATS | _GLOO_INTS | {torch.bool}
+#: torch's gloo broadcast also takes complex64/128 (as their real view).
+_BROADCAST_DTYPES = _GLOO_DTYPES | {torch.complex64, torch.complex128}
 #: integers gloo lacks, reduced as int64 and cast back (wrap-around is preserved).
 _WIDENED_INTS = frozenset(d for d in (torch.int16, getattr(torch, "uint16", None), getattr(torch, "uint32", None)) if d)
 _UINT64 = getattr(torch, "uint64", None)
@@ -707,7 +709,7 @@ class GlooBackend(Backend):
         if opts is None:
             opts = self._bcast_opts[src] = _c10d.BroadcastOptions()
             opts.rootRank = src
-        buffer = tensor if tensor.dtype in _GLOO_DTYPES or tensor.dtype.is_complex else _flat(tensor)
+        buffer = tensor if tensor.dtype in _BROADCAST_DTYPES else _flat(tensor)
         try:
             work = self._pg.broadcast([buffer], opts)
         except Exception as exc:
@@ -773,7 +775,8 @@ class GlooBackend(Backend):
         if self._check:
             self._verify("reduce_scatter", output, op=op)
         if output.device.type != "cpu":  # gloo's reduce_scatter is host-only: allreduce the whole
-            return self._reduce_scatter_whole("reduce_scatter", output, torch.cat([t.reshape(-1) for t in inputs]), op, plan)
+            whole = torch.cat([t.reshape(-1) for t in inputs])
+            return self._reduce_scatter_whole("reduce_scatter", output, whole, op, plan)
         out_buffer, finish = _out_buffer(plan, output)
         in_buffers = [_in_buffer(plan, t, op.factor).reshape(-1) for t in inputs]
         work = self._call(

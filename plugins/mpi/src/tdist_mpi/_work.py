@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from tdist import Work
+from tdist import DistBackendTimeoutError, Work
 
 from ._runtime import mpi_error
 
@@ -167,7 +167,16 @@ class MPIWork(Work):
             self.set_exception(error)
             return
         status = self._status
-        self.set_result(self._outputs, status.Get_source() if status is not None else -1)
+        if _FAST_INIT:  # Work.set_result, inlined (this runs once per operation)
+            self._result = self._outputs
+            self._source_rank = status.Get_source() if status is not None else -1
+            with self._lock:
+                self._event._set = True
+                callbacks, self._callbacks = self._callbacks, []
+            for callback in callbacks:
+                callback(self)
+        else:  # pragma: no cover - a newer core Work
+            self.set_result(self._outputs, status.Get_source() if status is not None else -1)
 
     def _wait_impl(self, timeout: Optional[float]) -> bool:
         if self._event._set:
@@ -192,6 +201,19 @@ class MPIWork(Work):
                 state = test()
             if state == _DONE:
                 return True
+
+    def wait(self, timeout: Any = None) -> bool:
+        """As :meth:`tdist.Work.wait` (``timeout``: seconds or timedelta; None: the group's)."""
+        if not self._event._set:
+            if timeout is None:
+                limit = self.default_timeout
+            else:
+                limit = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            if not self._wait_impl(limit):
+                raise DistBackendTimeoutError(f"{self.op}: did not complete within {limit:g} s (Work.wait timeout)")
+        if self._exc is not None:
+            raise self._exc
+        return True
 
     def is_completed(self) -> bool:
         return self._event._set or self._test() == _DONE

@@ -95,7 +95,7 @@ class MPIBackend(Backend):
         return MPIWork(operation, req, self._t, outputs, finalize, keep, status, self._wlock)
 
     def _plan(self, dtype: torch.dtype, op: Reduction, operation: str) -> Plan:
-        key = (dtype, op.op)
+        key = (dtype, id(op.op))  # ReduceOp members are singletons; hashing an Enum runs Python code
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._tables.plan(dtype, op.op, operation)
@@ -162,11 +162,14 @@ class MPIBackend(Backend):
         return self._issue("broadcast", lambda: comm.Ibcast([arr, dt], src), (tensor,), keep=arr)
 
     def all_reduce(self, tensor: torch.Tensor, op: Reduction) -> Work:
-        plan = self._plans.get((tensor.dtype, op.op)) or self._plan(tensor.dtype, op, "all_reduce")
+        plan = self._plans.get((tensor.dtype, id(op.op))) or self._plan(tensor.dtype, op, "all_reduce")
         if self._check:
             self._verify("all_reduce", tensor, -1, op)
         if plan.direct:  # the hot path: one Iallreduce in place on the tensor's memory
-            arr = array(tensor)
+            try:
+                arr = tensor.numpy()
+            except (TypeError, RuntimeError):
+                arr = array(tensor)
             try:
                 if self._wlock is None:
                     req = self._comm.Iallreduce(self._IN_PLACE, [arr, plan.dt], plan.op)

@@ -25,18 +25,19 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from tdist.reduction import combine_
 
 from .transport import PostedRecv, Transport
-from .wire import COLL, OP_ACK, byte_view, pack_header
+from .wire import COLL, OP_ACK, PART_FOLD, PART_UNFOLD, byte_view, pack_header
 
 if TYPE_CHECKING:
     import torch
     from tdist._reduce_op import Reduction
 
 __all__ = [
-    "Coll", "segments", "all_reduce_small", "all_reduce_ring", "ring", "broadcast_tree", "broadcast_chain",
+    "Coll", "Scratch", "segments", "all_reduce_small", "all_reduce_ring", "ring", "broadcast_tree", "broadcast_chain",
     "reduce_tree", "all_to_all", "gather", "scatter", "barrier",
 ]
 
 _EMPTY = memoryview(b"")
+_FOLD, _UNFOLD = PART_FOLD, PART_UNFOLD
 
 #: Element-wise torch ops on more elements than this fan out to torch's intra-op
 #: thread pool, which on a machine shared by several ranks is many times slower
@@ -72,12 +73,38 @@ def _copy(dst: "torch.Tensor", src: "torch.Tensor") -> None:
     dst.copy_(src)
 
 
+class Scratch:
+    """Reusable work buffers of one group, by slot name (its collectives run one at a
+    time). Reuse spares a large allocation's page faults on every call; buffers above
+    ``keep_bytes`` are allocated afresh and not kept."""
+
+    def __init__(self, keep_bytes: int = 64 << 20) -> None:
+        self._bufs: dict[str, Any] = {}
+        self.keep_bytes = keep_bytes
+
+    def get(self, slot: str, numel: int, dtype: "torch.dtype") -> "torch.Tensor":
+        import torch
+
+        nbytes = numel * dtype.itemsize
+        if nbytes > self.keep_bytes:
+            return torch.empty(numel, dtype=dtype)
+        buf = self._bufs.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._bufs[slot] = torch.empty(max(nbytes, 64), dtype=torch.uint8)
+        return buf[:nbytes].view(dtype)
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
 class Coll:
-    """One collective: its operation, reduce op and dtype codes, sequence number and deadline."""
+    """One collective: its operation, reduce op and dtype codes, sequence number, deadline
+    and the group's scratch buffers."""
 
-    __slots__ = ("tr", "rank", "size", "op", "redop", "seq", "dtype", "deadline")
+    __slots__ = ("tr", "rank", "size", "op", "redop", "seq", "dtype", "deadline", "scratch")
 
-    def __init__(self, tr: Transport, op: int, redop: int, seq: int, dtype: int, deadline: float) -> None:
+    def __init__(self, tr: Transport, op: int, redop: int, seq: int, dtype: int, deadline: float,
+                 scratch: Optional[Scratch] = None) -> None:
         self.tr = tr
         self.rank = tr.rank
         self.size = tr.size
@@ -86,15 +113,17 @@ class Coll:
         self.seq = seq
         self.dtype = dtype
         self.deadline = deadline
+        self.scratch = scratch if scratch is not None else Scratch(0)
 
-    def irecv(self, src: int, dest: memoryview) -> PostedRecv:
-        return self.tr.post_coll(src, dest, self.op, self.redop, self.seq, self.dtype, self.deadline)
+    def irecv(self, src: int, dest: memoryview, part: int = 0) -> PostedRecv:
+        """Post the receive of frame ``part`` (step << 32 | segment) of this collective from ``src``."""
+        return self.tr.post_coll(src, dest, self.op, self.redop, self.seq, self.dtype, self.deadline, part)
 
     def wait(self, pr: PostedRecv) -> None:
         self.tr.wait_coll(pr, self.deadline)
 
-    def send(self, dst: int, payload: memoryview) -> None:
-        self.tr.send(dst, pack_header(COLL, self.op, self.redop, self.dtype, 0, self.seq, len(payload)), payload)
+    def send(self, dst: int, payload: memoryview, part: int = 0) -> None:
+        self.tr.send(dst, pack_header(COLL, self.op, self.redop, self.dtype, part, self.seq, len(payload)), payload)
 
     def irecv_ack(self, src: int) -> PostedRecv:
         return self.tr.post_coll(src, _EMPTY, OP_ACK, 0, self.seq, 0, self.deadline)
@@ -102,9 +131,9 @@ class Coll:
     def ack(self, dst: int) -> None:
         self.tr.send(dst, pack_header(COLL, OP_ACK, 0, 0, 0, self.seq, 0), _EMPTY)
 
-    def sendrecv(self, peer: int, payload: memoryview, dest: memoryview) -> None:
-        pr = self.irecv(peer, dest)
-        self.send(peer, payload)
+    def sendrecv(self, peer: int, payload: memoryview, dest: memoryview, part: int = 0) -> None:
+        pr = self.irecv(peer, dest, part)
+        self.send(peer, payload, part)
         self.wait(pr)
 
 
@@ -114,34 +143,28 @@ def segments(n: int, seg: int) -> list[tuple[int, int]]:
 
 
 # ----------------------------------------------------------------- all_reduce
-def all_reduce_small(c: Coll, flat: "torch.Tensor", op: "Reduction",
-                     scratch: Optional[tuple["torch.Tensor", memoryview]] = None) -> None:
-    """Recursive doubling; ranks >= the largest power of two fold into a partner first.
-    ``scratch`` is an optional (tensor like ``flat``, its byte view) to receive into."""
+def all_reduce_small(c: Coll, flat: "torch.Tensor", op: "Reduction") -> None:
+    """Recursive doubling; ranks >= the largest power of two fold into a partner first."""
     p, r = c.size, c.rank
     pof2 = 1 << (p.bit_length() - 1)
     rem = p - pof2
     view = byte_view(flat)
     if r >= pof2:  # extra rank: hand the data over, get the result back
         partner = r - pof2
-        pr = c.irecv(partner, view)  # the result cannot arrive before our data left
-        c.send(partner, view)
+        pr = c.irecv(partner, view, _UNFOLD)  # the result cannot arrive before our data left
+        c.send(partner, view, _FOLD)
         c.wait(pr)
         return
-    if scratch is None:
-        import torch
-
-        other = torch.empty_like(flat)
-        scratch = other, byte_view(other)
+    other = c.scratch.get("small", flat.numel(), flat.dtype)
     acc, acc_view = flat, view
-    other, other_view = scratch
+    other_view = byte_view(other)
     if r < rem:
-        c.wait(c.irecv(r + pof2, other_view))
+        c.wait(c.irecv(r + pof2, other_view, _FOLD))
         combine_serial(acc, other, op)
     mask = 1
     while mask < pof2:
         partner = r ^ mask
-        c.sendrecv(partner, acc_view, other_view)
+        c.sendrecv(partner, acc_view, other_view, mask)
         if r < partner:  # always <lower rank's block> op <higher rank's block>
             combine_serial(acc, other, op)
         else:
@@ -151,7 +174,7 @@ def all_reduce_small(c: Coll, flat: "torch.Tensor", op: "Reduction",
     if acc is not flat:
         copy_serial(flat, acc)
     if r < rem:
-        c.send(r + pof2, view)
+        c.send(r + pof2, view, _UNFOLD)
 
 
 def ring(c: Coll, chunks: Sequence["torch.Tensor"], nsteps: int, nreduce: int, op: Optional["Reduction"],
@@ -162,8 +185,6 @@ def ring(c: Coll, chunks: Sequence["torch.Tensor"], nsteps: int, nreduce: int, o
     (all-gather). What arrives at step s is what leaves at step s + 1, so each segment
     is forwarded as soon as it is done (the ring is pipelined across steps).
     """
-    import torch
-
     p, r = c.size, c.rank
     left, right = (r - 1) % p, (r + 1) % p
     es = chunks[0].element_size()
@@ -173,20 +194,20 @@ def ring(c: Coll, chunks: Sequence["torch.Tensor"], nsteps: int, nreduce: int, o
     tviews: list = []
     if nreduce:
         longest = max(ch.numel() for ch in chunks)
-        tmps = [torch.empty(longest, dtype=chunks[0].dtype) for _ in range(min(2, nreduce))]
+        tmps = [c.scratch.get(f"ring{k}", longest, chunks[0].dtype) for k in range(min(2, nreduce))]
         tviews = [byte_view(t) for t in tmps]
 
     def post(s: int) -> list[PostedRecv]:
         ci = (r - s - 1) % p
         view = tviews[s % 2] if s < nreduce else views[ci]
-        return [c.irecv(left, view[a * es:b * es]) for a, b in segs[ci]]
+        return [c.irecv(left, view[a * es:b * es], (s << 32) | k) for k, (a, b) in enumerate(segs[ci])]
 
     posted = {0: post(0)}
     if nsteps > 1:
         posted[1] = post(1)
     mine = r % p
-    for a, b in segs[mine]:
-        c.send(right, views[mine][a * es:b * es])
+    for k, (a, b) in enumerate(segs[mine]):
+        c.send(right, views[mine][a * es:b * es], k)
     for s in range(nsteps):
         ci = (r - s - 1) % p
         prs = posted.pop(s)
@@ -199,7 +220,7 @@ def ring(c: Coll, chunks: Sequence["torch.Tensor"], nsteps: int, nreduce: int, o
             if reducing:
                 combine_serial(chunk[a:b], tmp[a:b], op)  # type: ignore[index,arg-type]
             if forward:
-                c.send(right, view[a * es:b * es])
+                c.send(right, view[a * es:b * es], ((s + 1) << 32) | k)
         if s + 2 < nsteps:
             posted[s + 2] = post(s + 2)
 
@@ -247,13 +268,13 @@ def broadcast_chain(c: Coll, view: memoryview, root: int, seg_bytes: int) -> Non
     nxt = (r + 1) % p if vr + 1 < p else None
     prev = (r - 1) % p
     segs = segments(len(view), seg_bytes)
-    prs = [c.irecv(prev, view[a:b]) for a, b in segs] if vr else []
+    prs = [c.irecv(prev, view[a:b], k) for k, (a, b) in enumerate(segs)] if vr else []
     ack = c.irecv_ack(nxt) if nxt is not None else None
     for k, (a, b) in enumerate(segs):
         if vr:
             c.wait(prs[k])
         if nxt is not None:
-            c.send(nxt, view[a:b])
+            c.send(nxt, view[a:b], k)
     if vr:
         c.ack(prev)
     if ack is not None:
@@ -263,8 +284,6 @@ def broadcast_chain(c: Coll, view: memoryview, root: int, seg_bytes: int) -> Non
 def reduce_tree(c: Coll, flat: "torch.Tensor", root: int, op: "Reduction", seg: int) -> None:
     """Binomial tree towards ``root``; each child's segments are combined as they arrive
     (and acknowledged), then the partial result goes to the parent."""
-    import torch
-
     p, r = c.size, c.rank
     vr = (r - root) % p
     es = flat.element_size()
@@ -276,17 +295,17 @@ def reduce_tree(c: Coll, flat: "torch.Tensor", root: int, op: "Reduction", seg: 
         if vr & mask:
             parent = (vr - mask + root) % p
             ack = c.irecv_ack(parent)
-            for a, b in segs:
-                c.send(parent, view[a * es:b * es])
+            for k, (a, b) in enumerate(segs):
+                c.send(parent, view[a * es:b * es], k)
             c.wait(ack)
             return
         child = vr | mask
         if child < p:
             if tmp is None:
-                tmp = torch.empty_like(flat)
+                tmp = c.scratch.get("tree", flat.numel(), flat.dtype)
                 tview = byte_view(tmp)
             src = (child + root) % p
-            prs = [c.irecv(src, tview[a * es:b * es]) for a, b in segs]  # type: ignore[index]
+            prs = [c.irecv(src, tview[a * es:b * es], k) for k, (a, b) in enumerate(segs)]  # type: ignore[index]
             for k, (a, b) in enumerate(segs):
                 c.wait(prs[k])
                 combine_serial(flat[a:b], tmp[a:b], op)
@@ -340,7 +359,7 @@ def barrier(c: Coll) -> None:
     p, r = c.size, c.rank
     k = 1
     while k < p:
-        pr = c.irecv((r - k) % p, _EMPTY)
-        c.send((r + k) % p, _EMPTY)
+        pr = c.irecv((r - k) % p, _EMPTY, k)
+        c.send((r + k) % p, _EMPTY, k)
         c.wait(pr)
         k <<= 1

@@ -89,11 +89,9 @@ def _finalize(flat: "torch.Tensor", op: "Reduction", size: int) -> None:
         algo.serially(lambda piece: finalize_(piece, op, size), flat)
 
 
-def _concat(flats: Sequence["torch.Tensor"]) -> "torch.Tensor":
-    """A new flat tensor holding ``flats`` one after the other."""
-    import torch
-
-    out = torch.empty(sum(f.numel() for f in flats), dtype=flats[0].dtype)
+def _concat(c: algo.Coll, flats: Sequence["torch.Tensor"]) -> "torch.Tensor":
+    """A (scratch) flat tensor holding ``flats`` one after the other."""
+    out = c.scratch.get("work", sum(f.numel() for f in flats), flats[0].dtype)
     at = 0
     for f in flats:
         algo.copy_serial(out[at:at + f.numel()], f)
@@ -120,26 +118,13 @@ class TcpBackend(Backend):
         self._coll_lane = Lane(f"tdist-tcp-coll-r{rank}", grace, self._timeout_s)
         self._send_lane = Lane(f"tdist-tcp-send-r{rank}", grace, self._timeout_s)
         self._seq = 0
-        self._scratch: dict = {}
+        self._scratch = algo.Scratch()
         self._p2p_seq = [0] * size
         self._shut = False
         self._shut_lock = threading.Lock()
         _live.add(self)
 
     # --------------------------------------------------------------- helpers
-    def _scratch_for(self, flat: "torch.Tensor") -> tuple:
-        """A reusable receive buffer like ``flat`` (collectives of a group run one at a time)."""
-        key = (flat.dtype, flat.numel())
-        entry = self._scratch.get(key)
-        if entry is None:
-            import torch
-
-            if len(self._scratch) >= 16:
-                self._scratch.clear()
-            tensor = torch.empty(flat.numel(), dtype=flat.dtype)
-            entry = self._scratch[key] = (tensor, byte_view(tensor))
-        return entry
-
     def _seg_elems(self, element_size: int) -> int:
         return max(1, self._segment_bytes // max(1, element_size))
 
@@ -157,9 +142,10 @@ class TcpBackend(Backend):
         rcode = redop_code(redop)
         dcode = dtype_code(dtype) if dtype is not None else 0
         timeout = self._timeout_s
+        scratch = self._scratch
 
         def job() -> Any:
-            c = algo.Coll(tr, opcode, rcode, seq, dcode, time.monotonic() + timeout)
+            c = algo.Coll(tr, opcode, rcode, seq, dcode, time.monotonic() + timeout, scratch)
             try:
                 return body(c)
             except DistBackendError as exc:
@@ -257,7 +243,7 @@ class TcpBackend(Backend):
             if self.size > 1:
                 es = flat.element_size()
                 if flat.numel() * es <= self._ring_threshold or flat.numel() < self.size:
-                    algo.all_reduce_small(c, flat, op, self._scratch_for(flat))
+                    algo.all_reduce_small(c, flat, op)
                 else:
                     algo.all_reduce_ring(c, flat, op, self._seg_elems(es))
             _finalize(flat, op, self.size)
@@ -362,7 +348,7 @@ class TcpBackend(Backend):
         check_reduction(op, output.dtype, "tcp reduce_scatter")
 
         def body(c: algo.Coll) -> list:
-            work = _concat([_source(t) for t in inputs])  # the inputs must stay untouched
+            work = _concat(c, [_source(t) for t in inputs])  # the inputs must stay untouched
             self._reduce_scatter(c, output, work, [t.numel() for t in inputs], op)
             return [output]
 
@@ -372,7 +358,7 @@ class TcpBackend(Backend):
         check_reduction(op, output.dtype, "tcp reduce_scatter_tensor")
 
         def body(c: algo.Coll) -> list:
-            work = _concat([_source(tensor)])
+            work = _concat(c, [_source(tensor)])
             self._reduce_scatter(c, output, work, [output.numel()] * self.size, op)
             return [output]
 
@@ -409,6 +395,7 @@ class TcpBackend(Backend):
                 return
             self._shut = True
         self._tr.close(self._linger)
+        self._scratch.clear()
         error = DistBackendError(f"tcp backend: {self._tr.me}'s process group was destroyed")
         self._coll_lane.close(error)
         self._send_lane.close(error)

@@ -14,6 +14,7 @@ import os
 import selectors
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Any, Mapping, Optional
@@ -26,7 +27,10 @@ __all__ = ["choose_host", "configure_socket", "connect_mesh", "HOST_ENV", "IFNAM
 
 HOST_ENV = "TDIST_TCP_HOST"
 IFNAME_ENV = "TDIST_TCP_IFNAME"
+UNIX_ENV = "TDIST_TCP_UNIX"
 ADDR_KEY = "tcp/addr/{}"
+UNIX_KEY = "tcp/unix/{}"
+_AF_UNIX = getattr(socket, "AF_UNIX", -1)
 NONCE_KEY = "tcp/nonce"
 DEFAULT_SOCKET_BUFFER = 4 << 20
 
@@ -107,9 +111,10 @@ def _parse_addr(value: bytes) -> tuple[str, int]:
 
 # -------------------------------------------------------------------- sockets
 def configure_socket(sock: socket.socket, buffer_bytes: int) -> None:
-    """TCP_NODELAY, keepalive and large kernel buffers (before connect/listen)."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    """TCP_NODELAY, keepalive (TCP only) and large kernel buffers (before connect/listen)."""
+    if sock.family != _AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     if buffer_bytes > 0:
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
@@ -139,10 +144,10 @@ class _Acceptor(threading.Thread):
     dropped without delaying the others).
     """
 
-    def __init__(self, listener: socket.socket, rank: int, size: int, nonce: bytes, deadline: float,
+    def __init__(self, listeners: list[socket.socket], rank: int, size: int, nonce: bytes, deadline: float,
                  buffer_bytes: int) -> None:
         super().__init__(name=f"tdist-tcp-accept-r{rank}", daemon=True)
-        self.listener = listener
+        self.listeners = listeners
         self.rank = rank
         self.size = size
         self.nonce = nonce
@@ -158,14 +163,15 @@ class _Acceptor(threading.Thread):
         pending: dict[socket.socket, tuple[bytearray, float]] = {}
         sel = selectors.DefaultSelector()
         try:
-            self.listener.setblocking(False)
-            sel.register(self.listener, selectors.EVENT_READ)
+            for listener in self.listeners:
+                listener.setblocking(False)
+                sel.register(listener, selectors.EVENT_READ)
             while wanted - set(self.accepted) and not self.stop.is_set() and time.monotonic() < self.deadline:
                 for key, _ in sel.select(timeout=0.05):
                     sock = key.fileobj
-                    if sock is self.listener:
+                    if sock in self.listeners:
                         try:
-                            conn, _addr = self.listener.accept()
+                            conn, _addr = sock.accept()
                         except (BlockingIOError, InterruptedError):
                             continue
                         conn.setblocking(False)
@@ -221,20 +227,62 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def _connect_one(store: Any, peer: int, rank: int, size: int, deadline: float, buffer_bytes: int) -> socket.socket:
+def _handshake(sock: socket.socket, nonce: bytes, rank: int, size: int, peer: int, deadline: float) -> bool:
+    """Send our HELLO on a connected socket; True if ``peer`` answered with its own."""
+    sock.sendall(_hello(nonce, rank, size))
+    sock.settimeout(max(0.05, deadline - time.monotonic()))
+    reply = _recv_exact(sock, HELLO.size)
+    if _check_hello(reply, nonce, size) == peer:
+        sock.settimeout(None)
+        return True
+    return False
+
+
+def _connect_unix(store: Any, peer: int, rank: int, size: int, nonce: bytes, deadline: float,
+                  buffer_bytes: int) -> Optional[socket.socket]:
+    """A Unix-domain connection to ``peer`` if it published one and runs on this host
+    (its abstract socket name exists only in its kernel's network namespace)."""
+    try:
+        if not store.check([UNIX_KEY.format(peer)]):
+            return None
+        name = "\0" + store.get(UNIX_KEY.format(peer), timeout=1.0).decode()
+        sock = socket.socket(_AF_UNIX, socket.SOCK_STREAM)
+    except Exception:
+        return None
+    try:
+        configure_socket(sock, buffer_bytes)
+        sock.settimeout(max(0.05, min(2.0, deadline - time.monotonic())))
+        sock.connect(name)
+        if _handshake(sock, nonce, rank, size, peer, deadline):
+            return sock
+    except OSError:
+        pass
+    sock.close()
+    return None
+
+
+def _connect_one(store: Any, peer: int, rank: int, size: int, deadline: float, buffer_bytes: int,
+                 use_unix: bool) -> socket.socket:
     """Connect to lower rank ``peer`` and handshake, retrying (re-reading the store, so a
-    stale address or nonce is replaced by the fresh one) until ``deadline``."""
+    stale address or nonce is replaced by the fresh one) until ``deadline``. Same-host
+    peers are reached through a Unix-domain socket when possible (several times TCP
+    loopback's bandwidth), others through TCP."""
     last: Optional[str] = None
     addr = "?"
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DistNetworkError(
-                f"tcp backend: rank {rank} could not connect to rank {peer} at {addr} within the timeout: {last}"
+                f"tcp backend: rank {rank} could not connect to rank {peer} at {addr} within the timeout: {last} "
+                f"(if that address is wrong, set options['host'], ${HOST_ENV} or ${IFNAME_ENV} on rank {peer})"
             )
         try:
             nonce = bytes.fromhex(store.get(NONCE_KEY, timeout=remaining).decode())
             raw = store.get(ADDR_KEY.format(peer), timeout=max(0.01, deadline - time.monotonic()))
+            if use_unix:
+                unix = _connect_unix(store, peer, rank, size, nonce, deadline, buffer_bytes)
+                if unix is not None:
+                    return unix
             host, port = _parse_addr(raw)
             addr = _format_addr(host, port)
             family, socktype, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -249,11 +297,7 @@ def _connect_one(store: Any, peer: int, rank: int, size: int, deadline: float, b
             configure_socket(sock, buffer_bytes)
             sock.settimeout(max(0.05, min(10.0, deadline - time.monotonic())))
             sock.connect(sockaddr)
-            sock.sendall(_hello(nonce, rank, size))
-            sock.settimeout(max(0.05, deadline - time.monotonic()))
-            reply = _recv_exact(sock, HELLO.size)
-            if _check_hello(reply, nonce, size) == peer:
-                sock.settimeout(None)
+            if _handshake(sock, nonce, rank, size, peer, deadline):
                 return sock
             last = "handshake refused (wrong group nonce, protocol version or world size)"
         except OSError as exc:
@@ -299,6 +343,8 @@ def connect_mesh(
         listener = socket.socket(family, socktype, proto)
     except OSError as exc:
         raise DistNetworkError(f"tcp backend: rank {rank} cannot listen on {host!r}: {exc}") from None
+    use_unix = _unix_enabled(options)
+    unix_listener: Optional[socket.socket] = None
     acceptor: Optional[_Acceptor] = None
     connected: dict[int, socket.socket] = {}
     try:
@@ -321,13 +367,19 @@ def connect_mesh(
                 nonce = bytes.fromhex(store.get(NONCE_KEY, timeout=max(0.01, deadline - time.monotonic())).decode())
             except DistStoreTimeoutError:
                 raise _timeout_error(rank, timeout, store, [0]) from None
+        listeners = [listener]
+        if use_unix and rank < size - 1:
+            unix_listener, unix_name = _unix_listener(buffer_bytes, size)
+            if unix_listener is not None:
+                listeners.append(unix_listener)
+                store.set(UNIX_KEY.format(rank), unix_name)
         if rank < size - 1:
-            acceptor = _Acceptor(listener, rank, size, nonce, deadline, buffer_bytes)
+            acceptor = _Acceptor(listeners, rank, size, nonce, deadline, buffer_bytes)
             acceptor.start()
         store.set(ADDR_KEY.format(rank), _format_addr(host, bound_port))
         for peer in range(rank):
             try:
-                connected[peer] = _connect_one(store, peer, rank, size, deadline, buffer_bytes)
+                connected[peer] = _connect_one(store, peer, rank, size, deadline, buffer_bytes, use_unix)
             except DistStoreTimeoutError:
                 raise _timeout_error(rank, timeout, store, [p for p in range(rank) if p not in connected]) from None
         if acceptor is not None:
@@ -350,3 +402,30 @@ def connect_mesh(
         raise
     finally:
         listener.close()
+        if unix_listener is not None:
+            unix_listener.close()
+
+
+def _unix_enabled(options: Mapping[str, Any]) -> bool:
+    if not sys.platform.startswith("linux") or _AF_UNIX < 0:  # abstract socket names are Linux-only
+        return False
+    flag = options.get("unix", os.environ.get(UNIX_ENV, "1"))
+    return str(flag).lower() not in ("0", "false", "no", "off", "")
+
+
+def _unix_listener(buffer_bytes: int, size: int) -> tuple[Optional[socket.socket], str]:
+    """A listening Unix-domain socket with a random abstract name, and that name
+    (without its leading NUL); (None, "") if unavailable."""
+    name = "tdist-tcp-" + os.urandom(12).hex()
+    try:
+        sock = socket.socket(_AF_UNIX, socket.SOCK_STREAM)
+    except OSError:
+        return None, ""
+    try:
+        configure_socket(sock, buffer_bytes)
+        sock.bind("\0" + name)
+        sock.listen(max(128, size))
+        return sock, name
+    except OSError:
+        sock.close()
+        return None, ""

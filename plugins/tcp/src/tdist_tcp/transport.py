@@ -215,9 +215,10 @@ class Transport:
 
     # ------------------------------------------------------------ collectives
     def post_coll(self, src: int, dest: memoryview, op: int, redop: int, seq: int, dtype: int,
-                  deadline: float) -> PostedRecv:
-        """Post the receive of the next collective frame from ``src`` into ``dest``."""
-        pr = PostedRecv(src, dest, op, redop, seq, dtype)
+                  deadline: float, part: int = 0) -> PostedRecv:
+        """Post the receive of the next collective frame from ``src`` into ``dest``; the
+        frame must be ``part`` (the algorithm's step/segment number) of that collective."""
+        pr = PostedRecv(src, dest, op, redop, seq, dtype, part)
         peer = self.peers[src]
         with self._lock:
             if self.broken is not None:
@@ -231,8 +232,9 @@ class Transport:
                 return pr
         self._take_stashed(pr, stashed, peer, deadline)
         if stashed.op != op or stashed.redop != redop or stashed.seq != seq or stashed.dtype != dtype \
-                or stashed.nbytes != pr.nbytes:
-            err = self._mismatch(pr, peer, stashed.op, stashed.redop, stashed.seq, stashed.dtype, stashed.nbytes)
+                or stashed.nbytes != pr.nbytes or stashed.tag != part:
+            err = self._mismatch(pr, peer, stashed.op, stashed.redop, stashed.seq, stashed.dtype, stashed.nbytes,
+                                 stashed.tag)
             self.fail(err)
             raise err
         if pr.nbytes:
@@ -245,7 +247,8 @@ class Transport:
         if not stashed.ready.acquire(True, max(0.0, deadline - time.monotonic())):
             raise DistBackendTimeoutError(
                 f"tcp backend: {self.me} timed out after {self.timeout:g} s receiving "
-                f"{describe(stashed.op, stashed.redop, stashed.seq, stashed.dtype, stashed.nbytes)} from {peer.label}"
+                f"{describe(stashed.op, stashed.redop, stashed.seq, stashed.dtype, stashed.nbytes, part=stashed.tag)} "
+                f"from {peer.label}"
             )
         if stashed.error is not None:
             raise stashed.error
@@ -264,15 +267,15 @@ class Transport:
                 pass
         raise DistBackendTimeoutError(
             f"tcp backend: {self.me} timed out after {self.timeout:g} s in "
-            f"{describe(pr.op, pr.redop, pr.seq, pr.dtype, pr.nbytes)} waiting for {peer.label}"
+            f"{describe(pr.op, pr.redop, pr.seq, pr.dtype, pr.nbytes, part=pr.tag)} waiting for {peer.label}"
         )
 
     def _mismatch(self, pr: PostedRecv, peer: _Peer, op: int, redop: int, seq: int, dtype: int,
-                  nbytes: int) -> DistBackendError:
+                  nbytes: int, part: int) -> DistBackendError:
         return DistBackendError(
-            f"tcp backend: {self.me} expected {describe(pr.op, pr.redop, pr.seq, pr.dtype, pr.nbytes)} "
-            f"from {peer.label} but got {describe(op, redop, seq, dtype, nbytes)} (the ranks called different "
-            "collectives, or with different sizes, dtypes or reduce ops)"
+            f"tcp backend: {self.me} expected {describe(pr.op, pr.redop, pr.seq, pr.dtype, pr.nbytes, part=pr.tag)} "
+            f"from {peer.label} but got {describe(op, redop, seq, dtype, nbytes, part=part)} (the ranks called "
+            "different collectives, or with different sizes, dtypes or reduce ops)"
         )
 
     # ------------------------------------------------------------------ p2p
@@ -361,7 +364,7 @@ class Transport:
                 shape = struct.unpack_from(f"<{ndim}q", buf, start + hsize) if ndim else ()
                 start += hlen
                 if kind == COLL:
-                    target, current = self._on_coll(peer, op, redop, seq, dtype, nbytes, shape)
+                    target, current = self._on_coll(peer, op, redop, seq, dtype, nbytes, shape, tag)
                 elif kind == P2P:
                     target, current = self._on_p2p(peer, tag, dtype, seq, nbytes, shape)
                 elif kind == ABORT or kind == BYE:
@@ -420,18 +423,19 @@ class Transport:
         self._peer_gone(peer, err, crashed=problem is not None and not self._closing)
 
     def _on_coll(self, peer: _Peer, op: int, redop: int, seq: int, dtype: int, nbytes: int,
-                 shape: tuple) -> tuple[Optional[memoryview], Any]:
+                 shape: tuple, part: int) -> tuple[Optional[memoryview], Any]:
         with self._lock:
             if self.broken is not None:
                 return None, None
             if not peer.coll_posted:
                 self._arrivals += 1
-                stashed = _Stashed(op, redop, seq, dtype, 0, nbytes, shape, self._arrivals)
+                stashed = _Stashed(op, redop, seq, dtype, part, nbytes, shape, self._arrivals)
                 peer.coll_stash.append(stashed)
                 return memoryview(stashed.data), stashed
             pr = peer.coll_posted.popleft()
-        if pr.op != op or pr.redop != redop or pr.seq != seq or pr.dtype != dtype or pr.nbytes != nbytes:
-            err = self._mismatch(pr, peer, op, redop, seq, dtype, nbytes)
+        if pr.op != op or pr.redop != redop or pr.seq != seq or pr.dtype != dtype or pr.nbytes != nbytes \
+                or pr.tag != part:
+            err = self._mismatch(pr, peer, op, redop, seq, dtype, nbytes, part)
             pr.finish(err)
             self.fail(err)
             return None, None

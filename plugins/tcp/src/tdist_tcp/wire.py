@@ -21,13 +21,14 @@ if TYPE_CHECKING:
 __all__ = [
     "FRAME_MAGIC", "HEADER", "HELLO", "HELLO_MAGIC", "PROTOCOL_VERSION",
     "COLL", "P2P", "ABORT", "BYE", "KIND_NAMES",
-    "OP_NAMES", "OP_CODES", "OP_ACK", "REDOP_NAMES", "redop_code",
+    "OP_NAMES", "OP_CODES", "OP_ACK", "PART_FOLD", "PART_UNFOLD", "REDOP_NAMES", "redop_code",
     "dtype_code", "dtype_name", "pack_header", "byte_view", "describe",
 ]
 
 PROTOCOL_VERSION = 1
 FRAME_MAGIC = 0x46544454  # b"TDTF" little endian
-#: magic, kind, op, redop, dtype, ndim, (3 pad), tag, seq, nbytes
+#: magic, kind, op, redop, dtype, ndim, (3 pad), tag (P2P tag; for collectives the
+#: algorithm's part number: step << 32 | segment), seq, nbytes
 HEADER = struct.Struct("<IBBBBB3xqqQ")
 #: magic, protocol version, group nonce, sender's group rank, world size
 HELLO = struct.Struct("<8sI16sII")
@@ -46,6 +47,8 @@ OP_CODES = {name: code for code, name in enumerate(OP_NAMES)}
 #: (broadcast/scatter roots, reduce/gather senders), so every rank of a collective
 #: learns that its peers agreed on what it was
 OP_ACK = OP_CODES["ack"]
+#: part numbers of the extra ranks' fold into, and unfold from, recursive doubling
+PART_FOLD, PART_UNFOLD = 1 << 62, (1 << 62) + 1
 
 REDOP_NAMES = ("", "SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM")
 _REDOP_CODES = {name: code for code, name in enumerate(REDOP_NAMES)}
@@ -129,15 +132,21 @@ def byte_view(flat: "torch.Tensor") -> memoryview:
     return memoryview(array).cast("B")
 
 
-def describe(op: int, redop: int, seq: int, dtype: int, nbytes: int, kind: int = COLL, tag: int = 0) -> str:
-    """Human-readable frame identity, e.g. ``all_reduce(SUM)#7 float32 x 16 bytes``."""
+def describe(op: int, redop: int, seq: int, dtype: int, nbytes: int, kind: int = COLL, tag: int = 0,
+             part: int = 0) -> str:
+    """Human-readable frame identity, e.g. ``all_reduce(SUM)#7 float32 x 16 bytes``
+    (``all_reduce(SUM)#7[1.3] ...`` for part 3 of step 1 of an algorithm)."""
     if kind == P2P:
         return f"p2p message (tag {tag}) {dtype_name(dtype)} x {nbytes} bytes"
     if kind != COLL:
         return f"{KIND_NAMES.get(kind, f'kind {kind}')} frame"
+    if part in (PART_FOLD, PART_UNFOLD):
+        where = "[fold]" if part == PART_FOLD else "[unfold]"
+    else:
+        where = f"[step {part >> 32} part {part & 0xFFFFFFFF}]" if part else ""
     if op == OP_ACK:
-        return f"acknowledgement#{seq} (of this rank's frames)"
+        return f"acknowledgement#{seq}{where} (of this rank's frames)"
     name = OP_NAMES[op] if 0 <= op < len(OP_NAMES) else f"op#{op}"
     if redop:
         name += f"({REDOP_NAMES[redop] if redop < len(REDOP_NAMES) else redop})"
-    return f"{name}#{seq} {dtype_name(dtype)} x {nbytes} bytes"
+    return f"{name}#{seq}{where} {dtype_name(dtype)} x {nbytes} bytes"
