@@ -24,7 +24,7 @@ import tdist as dist
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4,16777216", help="message sizes in bytes (float32), comma-separated")
-    parser.add_argument("--rounds", type=int, default=15, help="alternating blocks per variant")
+    parser.add_argument("--rounds", type=int, default=41, help="alternating blocks per variant")
     args = parser.parse_args()
 
     dist.init_process_group("mpi")
@@ -41,7 +41,7 @@ def main() -> None:
         count = max(1, nbytes // 4)
         t = torch.ones(count)
         a = t.numpy()
-        per_block = max(3, min(2000, (64 << 20) // max(nbytes, 1) // 8))
+        per_block = max(3, min(200, (64 << 20) // max(nbytes, 1) // 8))  # short blocks: fit a time slice
 
         def raw() -> None:
             comm.Allreduce(MPI.IN_PLACE, [a, MPI.FLOAT], MPI.SUM)

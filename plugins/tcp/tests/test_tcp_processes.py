@@ -33,10 +33,11 @@ def test_suites_across_processes_segmented(world3):
     assert world3.run("suites_job", timeout=90, options=options) == [[]] * 3
 
 
-@pytest.mark.parametrize("how", ["exit", "sigkill", "exit-mid-send"])
-def test_dead_peer_fails_survivors_promptly(world3, how):
+@pytest.mark.parametrize("how,unix", [("exit", True), ("exit", False), ("sigkill", True), ("exit-mid-send", True)])
+def test_dead_peer_fails_survivors_promptly(world3, how, unix):
     victim = 2 if how != "exit-mid-send" else 1
-    results = world3.run("dead_peer_job", victim, how, backend_timeout=60, dead_ok=[victim], timeout=60)
+    results = world3.run("dead_peer_job", victim, how, backend_timeout=60, dead_ok=[victim], timeout=60,
+                         options={"unix": unix})
     assert results[victim] == "dead"
     for rank, result in enumerate(results):
         if rank == victim:

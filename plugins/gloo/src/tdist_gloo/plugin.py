@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tdist import BackendSpec, hookimpl
@@ -17,6 +18,22 @@ def _factory(**kwargs: Any) -> Any:
     return create_backend(**kwargs)
 
 
+_CHECK_ENV = "TDIST_GLOO_CHECK_COLLECTIVES"
+
+
+def _unsupported_features() -> dict[str, str]:
+    """Features the conformance kit checks that gloo lacks unless asked for."""
+    if os.environ.get(_CHECK_ENV, "").lower() in ("1", "true", "yes", "on"):
+        return {}
+    return {
+        "collective_mismatch": (
+            "gloo does not detect ranks issuing different sizes or dtypes (it may abort or return "
+            f"corrupted data); set {_CHECK_ENV}=1 or pg_options={{'gloo_check_collectives': True}} to check "
+            "every collective first (about +150 us per call)"
+        )
+    }
+
+
 @hookimpl
 def tdist_register_backends(registry: Any) -> None:
     registry.add(
@@ -26,5 +43,6 @@ def tdist_register_backends(registry: Any) -> None:
             operations=OPERATIONS,
             description="torch's gloo (ProcessGroupGloo): CPU collectives and point-to-point, CUDA collectives",
             available=unavailable_reason(),
+            extra={"unsupported": _unsupported_features()},
         )
     )

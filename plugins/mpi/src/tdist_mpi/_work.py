@@ -231,18 +231,37 @@ class _Progress:
         self._lock = threading.Lock()
         self._works: list[MPIWork] = []
         self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._atexit = False
 
     def watch(self, work: MPIWork) -> None:
         with self._lock:
+            if self._stopping:
+                return
             self._works.append(work)
             if self._thread is None:
+                if not self._atexit:  # stop polling before mpi4py's MPI_Finalize at exit
+                    import atexit
+
+                    atexit.register(self.stop)
+                    self._atexit = True
                 self._thread = threading.Thread(target=self._run, name="tdist-mpi-progress", daemon=True)
                 self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            thread = self._thread
+        if thread is not None:
+            thread.join(1.0)
 
     def _run(self) -> None:
         idle = 0
         while True:
             with self._lock:
+                if self._stopping:
+                    self._thread = None
+                    return
                 works = list(self._works)
             finished = [w for w in works if w.is_completed()]
             with self._lock:

@@ -4,6 +4,13 @@ Collectives are queued on one FIFO lane per group and normally run in the thread
 that waits for them (see :mod:`tdist_tcp.lanes`); sends have their own lane and
 receives need no thread at all (the peers' reader threads complete them), so
 point-to-point traffic never queues behind collectives.
+
+Options (``init_process_group(..., pg_options=...)`` or ``new_group``; the same on
+every rank): ``host`` (address to listen on and publish; else ``$TDIST_TCP_HOST``),
+``ifname`` (take the address of this interface; else ``$TDIST_TCP_IFNAME``),
+``port`` (default: any free port), ``socket_buffer`` (SO_SNDBUF/SO_RCVBUF bytes,
+default 4 MiB), ``unix`` (reach peers on the same host over a Unix-domain socket,
+default True; ``$TDIST_TCP_UNIX=0`` disables) and the tunables of :data:`DEFAULTS`.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ DEFAULTS = {
     "linger": 1.0,  # seconds shutdown waits for the peers' goodbyes
 }
 
+_INLINE_SEND = 64 << 10  # sends up to this size go out in the calling thread when nothing is queued
 _live: "weakref.WeakSet[TcpBackend]" = weakref.WeakSet()
 
 
@@ -109,6 +117,7 @@ class TcpBackend(Backend):
         super().__init__(rank, size, timeout)
         opts = {**DEFAULTS, **{k: v for k, v in options.items() if k in DEFAULTS}}
         self._tr = transport
+        self._me = transport.me
         self._timeout_s = float(seconds(timeout))  # type: ignore[arg-type]
         self._work_timeout = self._timeout_s + 5.0  # the operation's own, more precise, timeout fires first
         self._ring_threshold = int(opts["ring_threshold"])
@@ -131,7 +140,7 @@ class TcpBackend(Backend):
     def _submit(self, name: str, dtype: Any, redop: Optional["Reduction"],
                 body: Callable[[algo.Coll], Any]) -> Work:
         """Queue one collective on the collective lane."""
-        work = TcpWork(f"tcp {name} on {self._tr.me}", self._work_timeout)
+        work = TcpWork(f"tcp {name} on {self._me}", self._work_timeout)
         tr = self._tr
         if tr.broken is not None:
             work.set_exception(tr.broken)
@@ -179,7 +188,10 @@ class TcpBackend(Backend):
             tr.send(dst, header, view)
             return [tensor]
 
-        self._send_lane.submit(job, work)
+        # a small frame fits the socket buffer: send it now (isend returns at once either
+        # way); a large one goes to the send lane's worker, started at once
+        if len(view) > _INLINE_SEND or not self._send_lane.try_inline(job, work):
+            self._send_lane.submit(job, work, eager=True)
         return work
 
     def recv(self, tensor: "torch.Tensor", src: Optional[int], tag: int) -> Work:

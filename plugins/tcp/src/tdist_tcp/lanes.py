@@ -91,7 +91,9 @@ class Lane:
         self._closed: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, fn: Callable[[], Any], work: "TcpWork") -> None:
+    def submit(self, fn: Callable[[], Any], work: "TcpWork", eager: bool = False) -> None:
+        """Queue ``fn`` (its result completes ``work``). ``eager``: the worker starts it at
+        once instead of leaving the caller the grace period to run it itself."""
         job = Job(fn, work)
         work._job = job
         work._lane = self
@@ -99,15 +101,31 @@ class Lane:
             if self._closed is not None:
                 work.set_exception(self._closed)
                 return
-            job.eager = self._busy or bool(self._queue)
+            job.eager = eager or self._busy or bool(self._queue)
             job.queued_at = self._last = time.monotonic()
             self._queue.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
-            elif self._asleep:
+            elif self._asleep or eager:
                 self._asleep = False
                 self._cv.notify()
+
+    def try_inline(self, fn: Callable[[], Any], work: "TcpWork") -> bool:
+        """Run ``fn`` now in this thread if the lane is idle (keeps FIFO order); else False."""
+        with self._cv:
+            if self._closed is not None or self._busy or self._queue:
+                return False
+            self._busy = True
+        try:
+            Job(fn, work).run()
+        finally:
+            with self._cv:
+                self._busy = False
+                self._last = time.monotonic()
+                if self._queue:
+                    self._cv.notify()
+        return True
 
     def drive(self, job: Job, timeout: Optional[float]) -> None:
         """Called by a waiter of ``job``: run the queue up to ``job`` inline if the lane is

@@ -32,7 +32,7 @@ def tdist_register_backends(registry: Any) -> None:
             factory=create_tcp_backend,
             operations={"cpu": frozenset(OPERATIONS) | {ANY_SOURCE_OP}},
             description=DESCRIPTION,
-            extra={"options": ("host", "ifname", "port", "socket_buffer", "ring_threshold", "segment_bytes",
-                               "grace", "linger")},
+            extra={"options": ("host", "ifname", "port", "socket_buffer", "unix", "ring_threshold",
+                               "segment_bytes", "grace", "linger")},
         )
     )

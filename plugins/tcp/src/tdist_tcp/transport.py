@@ -200,6 +200,10 @@ class Transport:
             return self.broken
         if peer.closed is not None:
             return DistBackendError(peer.closed)
+        if peer.said_bye:  # it destroyed its group; its reader has not seen the EOF yet
+            return DistBackendError(
+                f"tcp backend: {peer.label} has shut down its process group; {self.me} cannot communicate with it"
+            )
         if isinstance(exc, (BlockingIOError, socket.timeout)):
             err: DistBackendError = DistBackendTimeoutError(
                 f"tcp backend: {self.me} timed out after {self.timeout:g} s sending to {peer.label} "
