@@ -37,12 +37,13 @@ class Work:
     ``is_completed`` is True once ``wait`` has returned.
     """
 
-    __slots__ = ("op", "_event", "_result", "_exc", "_source_rank", "_callbacks", "_lock", "default_timeout")
+    __slots__ = ("op", "_done", "_event", "_result", "_exc", "_source_rank", "_callbacks", "_lock", "default_timeout")
 
     def __init__(self, op: str = "op", default_timeout: Optional[float] = None) -> None:
         self.op = op
         self.default_timeout = default_timeout
-        self._event = threading.Event()
+        self._done = False
+        self._event: Optional[threading.Event] = None  # created only if someone blocks before completion
         self._result: Sequence[Any] = ()
         self._exc: Optional[BaseException] = None
         self._source_rank: int = -1
@@ -70,7 +71,9 @@ class Work:
 
     def _finish(self) -> None:
         with self._lock:
-            self._event.set()
+            self._done = True
+            if self._event is not None:
+                self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback(self)
@@ -78,7 +81,7 @@ class Work:
     def add_done_callback(self, callback: Callable[["Work"], None]) -> None:
         """Call ``callback(work)`` once the work is done (at once if it already is)."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
                 self._callbacks.append(callback)
                 return
         callback(self)
@@ -86,7 +89,15 @@ class Work:
     # ----------------------------------------------------------------- consumers
     def _wait_impl(self, timeout: Optional[float]) -> bool:
         """Block until done or ``timeout`` seconds pass; return whether it is done."""
-        return self._event.wait(timeout)
+        if self._done:
+            return True
+        with self._lock:
+            if self._done:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def wait(self, timeout: Timeout = None) -> bool:
         """Block until the operation completes; re-raise its error. Returns True."""
@@ -99,7 +110,7 @@ class Work:
 
     def is_completed(self) -> bool:
         """True once the operation has finished, successfully or not."""
-        return self._event.is_set()
+        return self._done
 
     def is_success(self) -> bool:
         """True if the operation finished without error."""

@@ -58,9 +58,9 @@ class TcpWork(Work):
 
     def _wait_impl(self, timeout: Optional[float]) -> bool:
         job = self._job
-        if job is not None and not job.started and not self._event.is_set():
+        if job is not None and not job.started and not self._done:
             self._lane.drive(job, timeout)  # type: ignore[union-attr]
-        if self._event.wait(timeout):
+        if super()._wait_impl(timeout):
             return True
         if self._on_timeout is not None and self._on_timeout(self):
             return True
