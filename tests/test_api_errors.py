@@ -33,7 +33,8 @@ def test_unknown_backend_names_installed_and_package():
     "kwargs, message",
     [
         (dict(rank=2, world_size=2), "out of range"),
-        (dict(rank=0, world_size=0), "world_size must be a positive"),
+        (dict(rank=0, world_size=-2), "world_size must be a positive"),
+        (dict(rank=0, world_size=0, store=dist.HashStore()), "world_size must be a positive"),
         (dict(init_method="tcp://127.0.0.1", rank=0, world_size=1), "port number missing"),
         (dict(init_method="tcp://:29500", rank=0, world_size=1), "host missing"),
         (dict(init_method="nosuch://x", rank=0, world_size=1), r"no rendezvous handler for nosuch:// \(installed: env://"),

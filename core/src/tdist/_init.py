@@ -92,8 +92,11 @@ def _usable_spec(name: str) -> BackendSpec:
     return spec
 
 
-def _check_rank_args(rank: int, world_size: int) -> None:
-    if not isinstance(world_size, int) or (world_size != -1 and world_size < 1):
+def _check_rank_args(rank: int, world_size: int, zero_is_unset: bool = False) -> None:
+    """Validate rank/world_size. ``zero_is_unset``: before the rendezvous, world_size 0
+    means "not given" (as the tutorial passes under mpirun); the rendezvous decides."""
+    lowest = 0 if zero_is_unset else 1
+    if not isinstance(world_size, int) or (world_size != -1 and world_size < lowest):
         raise ValueError(f"init_process_group: world_size must be a positive integer (or -1), got {world_size!r}")
     if not isinstance(rank, int) or rank < -1:
         raise ValueError(f"init_process_group: rank must be a non-negative integer (or -1), got {rank!r}")
@@ -206,7 +209,7 @@ def init_process_group(
         timeout = default_pg_timeout
     if not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
-    _check_rank_args(rank, world_size)
+    _check_rank_args(rank, world_size, zero_is_unset=store is None)
     options = dict(pg_options or {})
     if device_id is not None:
         options["device_id"] = device_id

@@ -1,10 +1,9 @@
 """torch dtypes and tdist reductions as MPI datatypes and operators; zero-copy buffers.
 
-Buffers are numpy views of the tensor's memory (``t.numpy()``, or a same-sized
-integer view for dtypes numpy lacks: bfloat16, complex32, float8), which mpi4py
-reads through the buffer protocol; nothing is pickled. Data that is only moved
-uses an unsigned type of the element's size; reductions use the element's own MPI
-type. float16/bfloat16 (and complex32) are reduced in float32 (complex64) staging
+Buffers are mpi4py buffer objects over the tensor's memory (its address and size,
+``MPI.buffer.fromaddress``), which mpi4py passes to MPI through the buffer protocol;
+nothing is pickled, nothing is copied. Data that is only moved uses an unsigned type
+of the element's size; reductions use the element's own MPI type. float16/bfloat16 (and complex32) are reduced in float32 (complex64) staging
 buffers: MPI has no half-precision types, and the result is at least as accurate.
 """
 
@@ -18,7 +17,7 @@ from tdist import DistBackendError, ReduceOp
 
 from . import _runtime
 
-__all__ = ["Plan", "Tables", "array", "reduction_plan"]
+__all__ = ["Plan", "Tables", "buffer", "reduction_plan", "premul_factor"]
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _STAGED = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64}
@@ -29,25 +28,31 @@ _INTEGER = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + _U
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
-def array(t: torch.Tensor) -> Any:
-    """A numpy array sharing ``t``'s memory (``t`` contiguous), for mpi4py's buffer protocol."""
-    try:
-        return t.numpy()
-    except (TypeError, RuntimeError):
-        return _slow_array(t)
+#: ``MPI.buffer.fromaddress`` once MPI is loaded (set by :class:`Tables`).
+_fromaddress: Any = None
 
 
-def _slow_array(t: torch.Tensor) -> Any:
-    if t.device.type != "cpu":
+def buffer(t: torch.Tensor) -> Any:
+    """An mpi4py buffer over ``t``'s memory (``t`` contiguous): no copy, no numpy array.
+
+    ``MPI.buffer.fromaddress(t.data_ptr(), t.nbytes)`` costs ~0.2 µs against ~0.6 µs for
+    ``t.numpy()``, serves every dtype (bfloat16 included) and, measured, avoids a ~3%
+    slowdown of 16 MiB operations seen with a fresh numpy view per call. The buffer does
+    not keep ``t`` alive: the work that uses it must hold ``t`` until it completes.
+    """
+    if t.is_cpu and not (t.is_conj() or t.is_neg()):
+        n = t.nbytes
+        if n:
+            return _fromaddress(t.data_ptr(), n)
+    return _slow_buffer(t)
+
+
+def _slow_buffer(t: torch.Tensor) -> Any:
+    if not t.is_cpu:
         return _device_buffer(t)
-    if t.requires_grad:
-        t = t.detach()
     if t.is_conj() or t.is_neg():
         raise ValueError("mpi backend: tensor has a lazy conjugate/negative bit; call resolve_conj()/resolve_neg() first")
-    try:
-        return t.numpy()
-    except TypeError:  # a dtype numpy lacks: view the same bytes as an integer type
-        return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
+    return _EMPTY  # no elements
 
 
 def _device_buffer(t: torch.Tensor) -> Any:
@@ -66,6 +71,7 @@ def _device_buffer(t: torch.Tensor) -> Any:
 
 
 _REDUCE_KEYS = _FLOAT + _COMPLEX + _INTEGER + (torch.bool,)
+_EMPTY: Any = None
 
 
 class Plan:
@@ -88,7 +94,10 @@ class Tables:
     """MPI datatypes and operators for torch dtypes, built once MPI is loaded."""
 
     def __init__(self, MPI: Any) -> None:
+        global _fromaddress, _EMPTY
         self.MPI = MPI
+        _fromaddress = MPI.buffer.fromaddress if hasattr(MPI, "buffer") else MPI.memory.fromaddress
+        _EMPTY = bytearray(0)
         by_size = {1: MPI.BYTE, 2: MPI.UINT16_T, 4: MPI.UINT32_T, 8: MPI.UINT64_T, 16: MPI.C_DOUBLE_COMPLEX}
         self._by_size = by_size
         self._xfer: dict[torch.dtype, Any] = {}

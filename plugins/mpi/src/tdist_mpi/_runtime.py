@@ -122,22 +122,24 @@ def runtime() -> Runtime:
 def _start() -> Runtime:
     if "mpi4py.MPI" not in sys.modules:
         os.environ.setdefault(LIBNBC_IALLREDUCE_ENV, LIBNBC_IALLREDUCE_DEFAULT)
+        _init_without_gil(respect_rc=True)
     try:
-        # mpi4py initialises MPI at import with MPI_Init_thread(mpi4py.rc.thread_level),
-        # "multiple" unless the program configured mpi4py.rc otherwise, and finalises at exit.
+        # Unless _init_without_gil did it, mpi4py initialises MPI at import with
+        # MPI_Init_thread(mpi4py.rc.thread_level: "multiple" unless configured otherwise).
         from mpi4py import MPI
     except Exception as exc:
         raise DistBackendError(f"mpi backend: cannot load MPI through mpi4py: {exc}; {_INSTALL_HINT}") from exc
     if MPI.Is_finalized():
         raise DistBackendError("mpi backend: MPI has already been finalized in this process")
     if not MPI.Is_initialized():  # the program set mpi4py.rc.initialize = False
-        try:
-            MPI.Init_thread(MPI.THREAD_MULTIPLE)
-        except MPI.Exception as exc:
-            raise mpi_error("MPI_Init_thread", exc)
-        import atexit
+        if not _init_without_gil(respect_rc=False):
+            try:
+                MPI.Init_thread(MPI.THREAD_MULTIPLE)
+            except MPI.Exception as exc:
+                raise mpi_error("MPI_Init_thread", exc)
+            import atexit
 
-        atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
+            atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
     # Errors come back as MPI.Exception (mpi4py's default policy; set again in case the
     # program changed it); the backend turns them into DistBackendError.
     MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
@@ -145,6 +147,60 @@ def _start() -> Runtime:
     if rt.world_size > 1 and os.environ.get(ABORT_ENV, "1").strip().lower() not in ("0", "false", "no", "off"):
         _install_abort_hook(rt)
     return rt
+
+
+_LEVELS = {"single": 0, "funneled": 1, "serialized": 2, "multiple": 3}  # MPI_THREAD_* (MPICH and Open MPI)
+_TRUE = ("1", "true", "yes", "on", "y")
+
+
+def _init_without_gil(respect_rc: bool) -> bool:
+    """Call ``MPI_Init_thread`` through ctypes, which releases the GIL, before mpi4py.MPI
+    is imported (mpi4py then sees an initialised MPI and leaves it alone).
+
+    MPI_Init is collective (Open MPI waits for every rank in a PMIx fence). mpi4py calls
+    it at import holding the GIL, so no other thread of the process runs meanwhile; when
+    this process also serves the rendezvous TCPStore (rank 0 under ``env://``), a peer
+    still waiting on that store would never get its reply and never reach MPI_Init: the
+    job would hang until the store timeout. Initialising without the GIL lets the store's
+    threads keep serving. The level requested is mpi4py's (``mpi4py.rc.thread_level`` or
+    ``$MPI4PY_RC_THREAD_LEVEL``, default "multiple"). MPI is finalised at exit, through
+    ctypes as well. Returns False (mpi4py will initialise) when this is not possible.
+    """
+    import ctypes
+
+    try:
+        import mpi4py
+        from mpi4py import _mpiabi  # mpi4py >= 4: how mpi4py itself finds libmpi
+
+        rc = mpi4py.rc
+        initialize = os.environ.get("MPI4PY_RC_INITIALIZE", str(rc.initialize)).strip().lower() in _TRUE
+        if respect_rc and not initialize:
+            return False  # the program asked mpi4py not to initialise at import
+        threads = os.environ.get("MPI4PY_RC_THREADS", str(rc.threads)).strip().lower() in _TRUE
+        level_name = os.environ.get("MPI4PY_RC_THREAD_LEVEL", rc.thread_level).strip().lower()
+        level = _LEVELS.get(level_name, 3) if threads else 0
+        lib = _mpiabi._dlopen_libmpi(_mpiabi.LIBMPI or os.environ.get("MPI4PY_LIBMPI"))
+        flag = ctypes.c_int(0)
+        if lib.MPI_Initialized(ctypes.byref(flag)) != 0 or flag.value:
+            return False
+        init = lib.MPI_Init_thread
+        init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        init.restype = ctypes.c_int
+    except Exception:  # an older mpi4py, an unusual library: let mpi4py initialise
+        return False
+    provided = ctypes.c_int(0)
+    err = init(None, None, level, ctypes.byref(provided))
+    if err != 0:
+        raise DistBackendError(f"mpi backend: MPI_Init_thread failed (error code {err})")
+    import atexit
+
+    def finalize() -> None:
+        done = ctypes.c_int(0)
+        if lib.MPI_Finalized(ctypes.byref(done)) == 0 and not done.value:
+            lib.MPI_Finalize()
+
+    atexit.register(finalize)
+    return True
 
 
 def _install_abort_hook(rt: Runtime) -> None:

@@ -9,9 +9,8 @@ a rank waiting long for a slow peer does not hog a core. ``is_completed`` tests 
 Done-callbacks (``add_done_callback``, ``get_future``) on a pending work are
 driven by one shared daemon thread that polls while such works exist.
 
-Per-call cost matters here (a 4-byte all_reduce is ~1 µs of MPI): a work uses a
-flag instead of a ``threading.Event`` (2.5 µs to create, 0.6 µs to set), since the
-thread that completes it is always one that polls it.
+Per-call cost matters here (a 4-byte all_reduce is ~1 µs of MPI): the core's Work
+creates no ``threading.Event`` unless a second thread blocks on a pending work.
 """
 
 from __future__ import annotations
@@ -41,39 +40,6 @@ _PENDING, _DONE, _OTHER = 0, 1, 2
 _SPIN_TRIES = 64  # Test() calls per lock hold and clock check while spinning
 
 
-class _Flag:
-    """The subset of ``threading.Event`` that :class:`tdist.Work` uses, without a Condition.
-
-    ``wait`` is only reached by a second thread waiting on a work that another thread
-    is finishing (a few microseconds), so it polls.
-    """
-
-    __slots__ = ("_set",)
-
-    def __init__(self) -> None:
-        self._set = False
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def set(self) -> None:
-        self._set = True
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        deadline = None if timeout is None else _monotonic() + timeout
-        while not self._set:
-            if deadline is not None and _monotonic() >= deadline:
-                return False
-            _sleep(0.0001)
-        return True
-
-
-# Initialise Work's slots directly (skipping its Event) when they are the ones this
-# module knows; if the core's Work changes, fall back to Work.__init__.
-_KNOWN_SLOTS = {"op", "_event", "_result", "_exc", "_source_rank", "_callbacks", "_lock", "default_timeout"}
-_FAST_INIT = set(getattr(Work, "__slots__", ())) == _KNOWN_SLOTS
-
-
 class MPIWork(Work):
     """One MPI request; ``finalize`` (copy staged results out, divide for AVG) runs once,
     in the thread that sees the request complete, before the work is marked done."""
@@ -91,23 +57,12 @@ class MPIWork(Work):
         status: Any = None,
         mpilock: Any = None,
     ) -> None:
-        if _FAST_INIT:
-            self.op = op
-            self.default_timeout = timeout
-            self._event = _Flag()
-            self._result = ()
-            self._exc = None
-            self._source_rank = -1
-            self._callbacks = []
-            self._lock = _Lock()
-        else:  # pragma: no cover - a newer core Work
-            Work.__init__(self, op, timeout)
-            self._event = _Flag()
+        Work.__init__(self, op, timeout)
         self._req = req
         self._status = status
         self._finalize = finalize
         self._outputs = outputs
-        self._keep = keep  # buffers MPI may still read or write
+        self._keep = keep  # tensors MPI may still read or write (buffers are bare addresses)
         self._mpilock = mpilock  # None with MPI_THREAD_MULTIPLE
 
     # --------------------------------------------------------------- polling
@@ -117,7 +72,7 @@ class MPIWork(Work):
 
         The tries run back to back in one tight loop: with Open MPI each Test() moves
         the transfer on by a step, so the cost of an iteration bounds the bandwidth."""
-        if self._event._set:
+        if self._done:
             return _DONE
         with self._lock:  # one thread tests a request at a time; released before finishing
             req = self._req
@@ -168,19 +123,10 @@ class MPIWork(Work):
             self.set_exception(error)
             return
         status = self._status
-        if _FAST_INIT:  # Work.set_result, inlined (this runs once per operation)
-            self._result = self._outputs
-            self._source_rank = status.Get_source() if status is not None else -1
-            with self._lock:
-                self._event._set = True
-                callbacks, self._callbacks = self._callbacks, []
-            for callback in callbacks:
-                callback(self)
-        else:  # pragma: no cover - a newer core Work
-            self.set_result(self._outputs, status.Get_source() if status is not None else -1)
+        self.set_result(self._outputs, status.Get_source() if status is not None else -1)
 
     def _wait_impl(self, timeout: Optional[float]) -> bool:
-        if self._event._set:
+        if self._done:
             return True
         test = self._test
         state = test()
@@ -190,7 +136,7 @@ class MPIWork(Work):
         deadline = None if timeout is None else start + timeout
         while True:
             if state == _OTHER:
-                return self._event.wait(None if deadline is None else max(0.0, deadline - _monotonic()))
+                return Work._wait_impl(self, None if deadline is None else max(0.0, deadline - _monotonic()))
             now = _monotonic()
             if deadline is not None and now >= deadline:
                 return False
@@ -208,7 +154,7 @@ class MPIWork(Work):
 
     def wait(self, timeout: Any = None) -> bool:
         """As :meth:`tdist.Work.wait` (``timeout``: seconds or timedelta; None: the group's)."""
-        if not self._event._set:
+        if not self._done:
             if timeout is None:
                 limit = self.default_timeout
             else:
@@ -220,11 +166,11 @@ class MPIWork(Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._event._set or self._test() == _DONE
+        return self._done or self._test() == _DONE
 
     def add_done_callback(self, callback: Callable[[Work], None]) -> None:
         Work.add_done_callback(self, callback)
-        if not self._event._set:
+        if not self._done:
             _progress.watch(self)
 
 

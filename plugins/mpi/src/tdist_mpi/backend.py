@@ -1,7 +1,7 @@
 """The ``mpi`` backend: every operation is one nonblocking MPI call on the group's
 communicator (Isend/Irecv, Ibcast, Iallreduce, ...), returned as an :class:`MPIWork`.
 
-Buffers are numpy views of the tensors (zero-copy through the buffer protocol);
+Buffers are mpi4py buffers over the tensors' memory (zero-copy, buffer protocol);
 list-form collectives stage through one contiguous buffer. Reductions MPI cannot
 express directly are built around it: AVG = SUM then divide, PREMUL_SUM = multiply
 then SUM, float16/bfloat16 reduced in float32 staging buffers.
@@ -20,7 +20,7 @@ import torch
 from tdist import Backend, DistBackendError, Reduction, Work
 
 from . import _work
-from ._dtypes import Plan, Tables, array, premul_factor
+from ._dtypes import Plan, Tables, buffer, premul_factor
 from ._runtime import CHECK_ENV, Runtime, check_collectives_default, mpi_error, runtime
 from ._work import MPIWork
 
@@ -133,57 +133,54 @@ class MPIBackend(Backend):
             )
 
     # ------------------------------------------------------------ point-to-point
+    # ``outputs`` and ``keep`` hold every tensor MPI reads or writes until the work
+    # completes (the buffers are bare addresses and do not keep them alive).
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
         if not 0 <= tag <= self._tag_ub:
             self._check_tag("send", tag)
-        arr = array(tensor)
+        buf = buffer(tensor)
         dt = self._tables.xfer(tensor.dtype)
         comm = self._comm
-        return self._issue("send", lambda: comm.Isend([arr, dt], dst, tag), (tensor,), keep=arr)
+        return self._issue("send", lambda: comm.Isend([buf, dt], dst, tag), (tensor,))
 
     def recv(self, tensor: torch.Tensor, src: Optional[int], tag: int) -> Work:
         if not 0 <= tag <= self._tag_ub:
             self._check_tag("recv", tag)
-        arr = array(tensor)
+        buf = buffer(tensor)
         dt = self._tables.xfer(tensor.dtype)
         source = self._ANY_SOURCE if src is None else src
         comm = self._comm
-        return self._issue(
-            "recv", lambda: comm.Irecv([arr, dt], source, tag), (tensor,), keep=arr, status=self._Status()
-        )
+        return self._issue("recv", lambda: comm.Irecv([buf, dt], source, tag), (tensor,), status=self._Status())
 
     # --------------------------------------------------------------- collectives
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
         if self._check:
             self._verify("broadcast", tensor, src)
-        arr = array(tensor)
+        buf = buffer(tensor)
         dt = self._tables.xfer(tensor.dtype)
         comm = self._comm
-        return self._issue("broadcast", lambda: comm.Ibcast([arr, dt], src), (tensor,), keep=arr)
+        return self._issue("broadcast", lambda: comm.Ibcast([buf, dt], src), (tensor,))
 
     def all_reduce(self, tensor: torch.Tensor, op: Reduction) -> Work:
         plan = self._plans.get((tensor.dtype, id(op.op))) or self._plan(tensor.dtype, op, "all_reduce")
         if self._check:
             self._verify("all_reduce", tensor, -1, op)
         if plan.direct:  # the hot path: one Iallreduce in place on the tensor's memory
-            try:
-                arr = tensor.numpy()
-            except (TypeError, RuntimeError):
-                arr = array(tensor)
+            buf = buffer(tensor)
             try:
                 if self._wlock is None:
-                    req = self._comm.Iallreduce(self._IN_PLACE, [arr, plan.dt], plan.op)
+                    req = self._comm.Iallreduce(self._IN_PLACE, [buf, plan.dt], plan.op)
                 else:
                     with self._wlock:
-                        req = self._comm.Iallreduce(self._IN_PLACE, [arr, plan.dt], plan.op)
+                        req = self._comm.Iallreduce(self._IN_PLACE, [buf, plan.dt], plan.op)
             except MPIException as exc:
                 raise mpi_error("all_reduce", exc)
-            return MPIWork("all_reduce", req, self._t, (tensor,), None, arr, None, self._wlock)
+            return MPIWork("all_reduce", req, self._t, (tensor,), None, None, None, self._wlock)
         target = tensor.detach()
         work = target.to(plan.stage) if plan.stage is not None else target
         if plan.premul:
             work.mul_(premul_factor(op.factor, work))
-        arr = array(work)
+        buf = buffer(work)
         comm, size, in_place = self._comm, self.size, self._IN_PLACE
 
         def finalize() -> None:
@@ -193,7 +190,7 @@ class MPIBackend(Backend):
                 target.copy_(work)
 
         return self._issue(
-            "all_reduce", lambda: comm.Iallreduce(in_place, [arr, plan.dt], plan.op), (tensor,), finalize, arr
+            "all_reduce", lambda: comm.Iallreduce(in_place, [buf, plan.dt], plan.op), (tensor,), finalize, work
         )
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: Reduction) -> Work:
@@ -210,11 +207,11 @@ class MPIBackend(Backend):
             work = target
         if plan.premul:
             work.mul_(premul_factor(op.factor, work))
-        arr = array(work)
+        buf = buffer(work)
         comm, size, in_place = self._comm, self.size, self._IN_PLACE
         if not root:
             return self._issue(
-                "reduce", lambda: comm.Ireduce([arr, plan.dt], None, plan.op, dst), (tensor,), keep=arr
+                "reduce", lambda: comm.Ireduce([buf, plan.dt], None, plan.op, dst), (tensor,), keep=work
             )
         finalize = None
         if plan.avg or work is not target:
@@ -226,7 +223,7 @@ class MPIBackend(Backend):
                     target.copy_(work)
 
         return self._issue(
-            "reduce", lambda: comm.Ireduce(in_place, [arr, plan.dt], plan.op, dst), (tensor,), finalize, arr
+            "reduce", lambda: comm.Ireduce(in_place, [buf, plan.dt], plan.op, dst), (tensor,), finalize, work
         )
 
     def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> Work:
@@ -234,63 +231,62 @@ class MPIBackend(Backend):
             self._verify("all_gather", tensor)
         n = tensor.numel()
         staging = torch.empty(self.size * n, dtype=tensor.dtype, device=tensor.device)
-        sarr, rarr = array(tensor), array(staging)
+        sbuf, rbuf = buffer(tensor), buffer(staging)
         dt = self._tables.xfer(tensor.dtype)
-        comm = self._comm
+        comm, size = self._comm, self.size
 
         def finalize() -> None:
-            rows = staging.view(self.size, n)
+            rows = staging.view(size, n)
             for i, out in enumerate(outputs):
                 out.detach().view(-1).copy_(rows[i])
 
         return self._issue(
-            "all_gather", lambda: comm.Iallgather([sarr, dt], [rarr, dt]), list(outputs), finalize, (sarr, rarr)
+            "all_gather", lambda: comm.Iallgather([sbuf, dt], [rbuf, dt]), list(outputs), finalize, (tensor, staging)
         )
 
     def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
         if self._check:
             self._verify("all_gather_into_tensor", tensor)
-        sarr, rarr = array(tensor), array(output)
+        sbuf, rbuf = buffer(tensor), buffer(output)
         dt = self._tables.xfer(tensor.dtype)
         comm = self._comm
         return self._issue(
-            "all_gather_into_tensor", lambda: comm.Iallgather([sarr, dt], [rarr, dt]), (output,), keep=(sarr, rarr)
+            "all_gather_into_tensor", lambda: comm.Iallgather([sbuf, dt], [rbuf, dt]), (output,), keep=tensor
         )
 
     def gather(self, tensor: torch.Tensor, outputs: Optional[Sequence[torch.Tensor]], dst: int) -> Work:
         if self._check:
             self._verify("gather", tensor, dst)
-        sarr = array(tensor)
+        sbuf = buffer(tensor)
         dt = self._tables.xfer(tensor.dtype)
         comm = self._comm
         if outputs is None:
-            return self._issue("gather", lambda: comm.Igather([sarr, dt], None, dst), (), keep=sarr)
+            return self._issue("gather", lambda: comm.Igather([sbuf, dt], None, dst), (), keep=tensor)
         n = tensor.numel()
         staging = torch.empty(self.size * n, dtype=tensor.dtype, device=tensor.device)
-        rarr = array(staging)
+        rbuf = buffer(staging)
+        size = self.size
 
         def finalize() -> None:
-            rows = staging.view(self.size, n)
+            rows = staging.view(size, n)
             for i, out in enumerate(outputs):
                 out.detach().view(-1).copy_(rows[i])
 
         return self._issue(
-            "gather", lambda: comm.Igather([sarr, dt], [rarr, dt], dst), list(outputs), finalize, (sarr, rarr)
+            "gather", lambda: comm.Igather([sbuf, dt], [rbuf, dt], dst), list(outputs), finalize, (tensor, staging)
         )
 
     def scatter(self, tensor: torch.Tensor, inputs: Optional[Sequence[torch.Tensor]], src: int) -> Work:
         if self._check:
             self._verify("scatter", tensor, src)
-        rarr = array(tensor)
+        rbuf = buffer(tensor)
         dt = self._tables.xfer(tensor.dtype)
         comm = self._comm
         if inputs is None:
-            return self._issue("scatter", lambda: comm.Iscatter(None, [rarr, dt], src), (tensor,), keep=rarr)
+            return self._issue("scatter", lambda: comm.Iscatter(None, [rbuf, dt], src), (tensor,))
         send = _flat_cat(inputs)
-        sarr = array(send)
-        return self._issue(
-            "scatter", lambda: comm.Iscatter([sarr, dt], [rarr, dt], src), (tensor,), keep=(sarr, rarr, send)
-        )
+        sbuf = buffer(send)
+        return self._issue("scatter", lambda: comm.Iscatter([sbuf, dt], [rbuf, dt], src), (tensor,), keep=send)
 
     def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: Reduction) -> Work:
         plan = self._plan(output.dtype, op, "reduce_scatter")
@@ -317,7 +313,7 @@ class MPIBackend(Backend):
     def _reduce_scatter(self, operation: str, output: torch.Tensor, send: torch.Tensor, plan: Plan) -> Work:
         target = output.detach()
         recv = target if plan.stage is None else torch.empty(output.shape, dtype=plan.stage, device=output.device)
-        sarr, rarr = array(send), array(recv)
+        sbuf, rbuf = buffer(send), buffer(recv)
         comm, size = self._comm, self.size
         finalize = None
         if plan.avg or recv is not target:
@@ -330,10 +326,10 @@ class MPIBackend(Backend):
 
         return self._issue(
             operation,
-            lambda: comm.Ireduce_scatter_block([sarr, plan.dt], [rarr, plan.dt], plan.op),
+            lambda: comm.Ireduce_scatter_block([sbuf, plan.dt], [rbuf, plan.dt], plan.op),
             (output,),
             finalize,
-            (sarr, rarr, send, recv),
+            (send, recv),
         )
 
     def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Work:
@@ -345,9 +341,8 @@ class MPIBackend(Backend):
         rcounts = [t.numel() for t in outputs]
         send = _flat_cat(inputs)
         recv = torch.empty(sum(rcounts), dtype=dtype, device=inputs[0].device)
-        sarr, rarr = array(send), array(recv)
-        sspec = [sarr, (scounts, _offsets(scounts)), dt]
-        rspec = [rarr, (rcounts, _offsets(rcounts)), dt]
+        sspec = [buffer(send), (scounts, _offsets(scounts)), dt]
+        rspec = [buffer(recv), (rcounts, _offsets(rcounts)), dt]
         comm = self._comm
 
         def finalize() -> None:
@@ -355,7 +350,7 @@ class MPIBackend(Backend):
                 out.detach().view(-1).copy_(piece)
 
         return self._issue(
-            "all_to_all", lambda: comm.Ialltoallv(sspec, rspec), list(outputs), finalize, (sarr, rarr, send)
+            "all_to_all", lambda: comm.Ialltoallv(sspec, rspec), list(outputs), finalize, (send, recv)
         )
 
     def all_to_all_single(
@@ -368,19 +363,19 @@ class MPIBackend(Backend):
         if self._check:
             self._verify("all_to_all_single", tensor, numel=math.prod(tensor.shape[1:]))
         dt = self._tables.xfer(tensor.dtype)
-        sarr, rarr = array(tensor), array(output)
+        sbuf, rbuf = buffer(tensor), buffer(output)
         comm = self._comm
         first = input_split_sizes[0] if input_split_sizes else 0
         if all(s == first for s in input_split_sizes) and list(output_split_sizes) == list(input_split_sizes):
-            call = lambda: comm.Ialltoall([sarr, dt], [rarr, dt])  # noqa: E731
+            call = lambda: comm.Ialltoall([sbuf, dt], [rbuf, dt])  # noqa: E731
         else:
             row = math.prod(tensor.shape[1:])
             scounts = [s * row for s in input_split_sizes]
             rcounts = [s * row for s in output_split_sizes]
-            sspec = [sarr, (scounts, _offsets(scounts)), dt]
-            rspec = [rarr, (rcounts, _offsets(rcounts)), dt]
+            sspec = [sbuf, (scounts, _offsets(scounts)), dt]
+            rspec = [rbuf, (rcounts, _offsets(rcounts)), dt]
             call = lambda: comm.Ialltoallv(sspec, rspec)  # noqa: E731
-        return self._issue("all_to_all_single", call, (output,), keep=(sarr, rarr))
+        return self._issue("all_to_all_single", call, (output,), keep=tensor)
 
     def barrier(self) -> Work:
         if self._check:
