@@ -39,5 +39,18 @@ docs: venv
 	$(PY) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(PIP) install -q $(DOCS_DEPS)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -f docs/mkdocs.yml
 
+# make bench -- collective benchmarks: tdist tcp against torch.distributed gloo and raw MPI (2 and 4
+# ranks, 4 B .. 64 MiB): table on the terminal, bench-results/busbw.png and bench.json. Shorten with
+# BENCH_ARGS, e.g. make bench BENCH_ARGS="--ops all_reduce --max-size 16M --world-sizes 2".
+# matplotlib (for the plot) is installed only by this target: `make test` does not need it.
+BENCH_DEPS := "matplotlib>=3.5"
+BENCH_ARGS ?=
+
+.PHONY: bench
+bench: venv
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -q $(BENCH_DEPS)
+	mkdir -p bench-results
+	$(PY) -m tdist.bench --plot bench-results/busbw.png --json bench-results/bench.json $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) build */*.egg-info plugins/*/src/*.egg-info core/src/*.egg-info

@@ -329,4 +329,40 @@ def suites_job(b: Any, rank: int) -> list[str]:
     return all_reduce_suite(b, rank, sizes=(5,)) + collectives_suite(b, rank, n=9) + p2p_suite(b, rank)
 
 
+# ------------------------------------------------------------- shared memory
+def shm_files(pids) -> list[str]:
+    """The tdist-tcp segments in /dev/shm created by any of ``pids``."""
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return []
+    return sorted(n for n in names for pid in pids if n.startswith(f"tdist-tcp-{pid}-"))
+
+
+def shm_mappings() -> int:
+    """How many tdist-tcp segments this process still maps."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        return len({line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                    for line in f if "/dev/shm/tdist-tcp-" in line})
+
+
+def shm_suites_job(b: Any, rank: int, sizes: tuple = (5, 1000, 5000), n: int = 3000) -> tuple:
+    """The suites at sizes that span one and several rounds of the segment's buffers,
+    a bitwise digest (every rank must agree), and what is left in /dev/shm."""
+    failures = all_reduce_suite(b, rank, sizes=sizes)
+    failures += collectives_suite(b, rank, n=9) + collectives_suite(b, rank, n=n)
+    failures += p2p_suite(b, rank)
+    digest = bitwise_digest(b, rank, 7000, 3)
+    return b.uses_shm, failures, digest, shm_files([os.getpid()]), shm_mappings()
+
+
+def shm_state_job(b: Any, rank: int) -> tuple:
+    """(uses shm, segments this process created still in /dev/shm, segments it maps)."""
+    b.all_reduce(torch.ones(4), Reduction(ReduceOp.SUM)).wait()
+    return b.uses_shm, shm_files([os.getpid()]), shm_mappings()
+
+
 __all__ = [name for name in dir() if not name.startswith("_")] + ["DistBackendError", "DistBackendTimeoutError"]

@@ -7,6 +7,7 @@ Importing this package is cheap: torch and the backend load when a group is crea
 Modules: :mod:`.plugin` (the hook implementations), :mod:`.wire` (frame format),
 :mod:`.mesh` (connection setup), :mod:`.transport` (reader threads, matching),
 :mod:`.lanes` (where operations run), :mod:`.algorithms` (ring/tree/doubling),
+:mod:`.shm` (collectives through shared memory when the whole group is on one host),
 :mod:`.backend` (``TcpBackend``).
 """
 

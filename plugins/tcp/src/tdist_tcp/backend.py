@@ -10,7 +10,13 @@ every rank): ``host`` (address to listen on and publish; else ``$TDIST_TCP_HOST`
 ``ifname`` (take the address of this interface; else ``$TDIST_TCP_IFNAME``),
 ``port`` (default: any free port), ``socket_buffer`` (SO_SNDBUF/SO_RCVBUF bytes,
 default 4 MiB), ``unix`` (reach peers on the same host over a Unix-domain socket,
-default True; ``$TDIST_TCP_UNIX=0`` disables) and the tunables of :data:`DEFAULTS`.
+default True; ``$TDIST_TCP_UNIX=0`` disables), ``shm`` (collectives through shared
+memory when every rank of the group is on this host, default True; ``$TDIST_TCP_SHM=0``
+disables; see :mod:`tdist_tcp.shm`), ``shm_slot_bytes`` (each of a rank's two buffers in
+the segment, default 1 MiB), ``shm_direct_bytes`` (all_reduce/reduce up to this size in one
+step, default 512 KiB / group size), ``shm_block_bytes`` (cache blocking of reductions, default 256 KiB),
+``shm_spin_us`` (microseconds a waiter spins before sleeping) and the tunables of
+:data:`DEFAULTS`.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from tdist._backend import Backend
 from tdist._errors import DistBackendError, DistBackendTimeoutError
+from tdist._reduce_op import ReduceOp
 from tdist._work import Work, seconds
 from tdist.reduction import check_reduction, finalize_, prescale_
 
 from . import algorithms as algo
 from .lanes import Lane, TcpWork
-from .mesh import connect_mesh
+from .mesh import NONCE_KEY, connect_mesh
+from .shm import ShmEngine, open_shm
 from .transport import PostedRecv, Transport
 from .wire import OP_CODES, P2P, byte_view, dtype_code, pack_header, redop_code
 
@@ -63,9 +71,10 @@ def _shutdown_all() -> None:  # say goodbye to the peers even if the program nev
 
 def _inplace(t: "torch.Tensor") -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
     """A flat contiguous view of ``t`` holding its data, and ``t`` again if the result must be copied back."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.is_contiguous() and not t.is_conj() and not t.is_neg():
-        return t.view(-1), None
+        return (t if t.dim() == 1 else t.view(-1)), None
     return t.resolve_conj().resolve_neg().contiguous().view(-1), t
 
 
@@ -87,13 +96,27 @@ def _source(t: "torch.Tensor") -> "torch.Tensor":
     return t.resolve_conj().resolve_neg().contiguous().view(-1)
 
 
+_valid_reductions: set = set()
+
+
+def _check_reduction(op: "Reduction", dtype: Any, what: str) -> None:
+    """:func:`check_reduction`, remembering the (operator, dtype) pairs that passed
+    (PREMUL_SUM's validity depends on its factor: always checked)."""
+    key = (id(op.op), dtype)  # members are singletons; hashing an enum member runs Python code
+    if key in _valid_reductions:
+        return
+    check_reduction(op, dtype, what)
+    if op.op is not ReduceOp.PREMUL_SUM and len(_valid_reductions) < 1024:
+        _valid_reductions.add(key)
+
+
 def _prescale(flat: "torch.Tensor", op: "Reduction") -> None:
-    if op.op.name == "PREMUL_SUM":
+    if op.op is ReduceOp.PREMUL_SUM:
         algo.serially(lambda piece: prescale_(piece, op), flat)
 
 
 def _finalize(flat: "torch.Tensor", op: "Reduction", size: int) -> None:
-    if op.op.name == "AVG":
+    if op.op is ReduceOp.AVG:
         algo.serially(lambda piece: finalize_(piece, op, size), flat)
 
 
@@ -113,8 +136,9 @@ class TcpBackend(Backend):
     name = "tcp"
 
     def __init__(self, rank: int, size: int, timeout: timedelta, transport: Transport,
-                 options: Mapping[str, Any]) -> None:
+                 options: Mapping[str, Any], shm: Optional[ShmEngine] = None) -> None:
         super().__init__(rank, size, timeout)
+        self._shm = shm
         opts = {**DEFAULTS, **{k: v for k, v in options.items() if k in DEFAULTS}}
         self._tr = transport
         self._me = transport.me
@@ -127,6 +151,8 @@ class TcpBackend(Backend):
         self._coll_lane = Lane(f"tdist-tcp-coll-r{rank}", grace, self._timeout_s)
         self._send_lane = Lane(f"tdist-tcp-send-r{rank}", grace, self._timeout_s)
         self._seq = 0
+        self._codes_key: tuple = (None, None)  # the last (reduce op, dtype) and their wire codes
+        self._codes = (0, 0)
         self._scratch = algo.Scratch()
         self._p2p_seq = [0] * size
         self._shut = False
@@ -148,8 +174,16 @@ class TcpBackend(Backend):
         self._seq += 1
         seq = self._seq
         opcode = OP_CODES[name]
-        rcode = redop_code(redop)
-        dcode = dtype_code(dtype) if dtype is not None else 0
+        if redop is None and dtype is None:
+            rcode = dcode = 0
+        else:
+            key = (redop.op if redop is not None else None, dtype)
+            if key[0] is self._codes_key[0] and key[1] is self._codes_key[1]:
+                rcode, dcode = self._codes
+            else:
+                rcode = redop_code(redop)
+                dcode = dtype_code(dtype) if dtype is not None else 0
+                self._codes_key, self._codes = key, (rcode, dcode)
         timeout = self._timeout_s
         scratch = self._scratch
 
@@ -234,7 +268,9 @@ class TcpBackend(Backend):
     def broadcast(self, tensor: "torch.Tensor", src: int) -> Work:
         def body(c: algo.Coll) -> list:
             flat, back = _inplace(tensor)
-            if self.size > 1:
+            if self._shm is not None:
+                self._shm.broadcast(c, flat, src)
+            elif self.size > 1:
                 view = byte_view(flat)
                 if len(view) > self._ring_threshold and self.size > 2:
                     algo.broadcast_chain(c, view, src, self._segment_bytes)
@@ -247,18 +283,22 @@ class TcpBackend(Backend):
         return self._submit("broadcast", tensor.dtype, None, body)
 
     def all_reduce(self, tensor: "torch.Tensor", op: "Reduction") -> Work:
-        check_reduction(op, tensor.dtype, "tcp all_reduce")
+        _check_reduction(op, tensor.dtype, "tcp all_reduce")
 
         def body(c: algo.Coll) -> list:
             flat, back = _inplace(tensor)
-            _prescale(flat, op)
-            if self.size > 1:
-                es = flat.element_size()
-                if flat.numel() * es <= self._ring_threshold or flat.numel() < self.size:
-                    algo.all_reduce_small(c, flat, op)
-                else:
-                    algo.all_reduce_ring(c, flat, op, self._seg_elems(es))
-            _finalize(flat, op, self.size)
+            if op.op is ReduceOp.PREMUL_SUM:
+                _prescale(flat, op)
+            if self._shm is not None:
+                self._shm.all_reduce(c, flat, op)  # finalizes AVG itself
+            else:
+                if self.size > 1:
+                    es = flat.element_size()
+                    if flat.numel() * es <= self._ring_threshold or flat.numel() < self.size:
+                        algo.all_reduce_small(c, flat, op)
+                    else:
+                        algo.all_reduce_ring(c, flat, op, self._seg_elems(es))
+                _finalize(flat, op, self.size)
             if back is not None:
                 back.copy_(flat.view(back.shape))
             return [tensor]
@@ -266,15 +306,18 @@ class TcpBackend(Backend):
         return self._submit("all_reduce", tensor.dtype, op, body)
 
     def reduce(self, tensor: "torch.Tensor", dst: int, op: "Reduction") -> Work:
-        check_reduction(op, tensor.dtype, "tcp reduce")
+        _check_reduction(op, tensor.dtype, "tcp reduce")
 
         def body(c: algo.Coll) -> list:
             flat, back = _inplace(tensor)
             _prescale(flat, op)
-            if self.size > 1:
+            if self._shm is not None:
+                self._shm.all_reduce(c, flat, op, root=dst)  # finalizes AVG itself
+            elif self.size > 1:
                 algo.reduce_tree(c, flat, dst, op, self._seg_elems(flat.element_size()))
             if self.rank == dst:
-                _finalize(flat, op, self.size)
+                if self._shm is None:
+                    _finalize(flat, op, self.size)
                 if back is not None:
                     back.copy_(flat.view(back.shape))
             return [tensor]
@@ -282,6 +325,9 @@ class TcpBackend(Backend):
         return self._submit("reduce", tensor.dtype, op, body)
 
     def _gather_ring(self, c: algo.Coll, blocks: list, tensor: "torch.Tensor") -> None:
+        if self._shm is not None:
+            self._shm.gather_blocks(c, _source(tensor), blocks, None)
+            return
         algo.copy_serial(blocks[self.rank], _source(tensor))
         if self.size > 1:
             algo.ring(c, blocks, self.size - 1, 0, None, self._seg_elems(tensor.element_size()))
@@ -312,11 +358,17 @@ class TcpBackend(Backend):
         def body(c: algo.Coll) -> list:
             src = _source(tensor)
             if self.rank != dst:
-                algo.gather(c, byte_view(src), None, dst)
+                if self._shm is not None:
+                    self._shm.gather_blocks(c, src, None, dst)
+                else:
+                    algo.gather(c, byte_view(src), None, dst)
                 return []
             staged = [_output(o) for o in outputs]  # type: ignore[union-attr]
-            algo.copy_serial(staged[dst][0], src)
-            if self.size > 1:
+            if self._shm is not None:
+                self._shm.gather_blocks(c, src, [flat for flat, _ in staged], dst)
+            else:
+                algo.copy_serial(staged[dst][0], src)
+            if self.size > 1 and self._shm is None:
                 algo.gather(c, byte_view(src), [byte_view(flat) for flat, _ in staged], dst)
             for flat, back in staged:
                 if back is not None:
@@ -328,6 +380,12 @@ class TcpBackend(Backend):
     def scatter(self, tensor: "torch.Tensor", inputs: Optional[Sequence["torch.Tensor"]], src: int) -> Work:
         def body(c: algo.Coll) -> list:
             flat, back = _output(tensor)
+            if self._shm is not None:
+                sources = [_source(t) for t in inputs] if self.rank == src else None  # type: ignore[union-attr]
+                self._shm.scatter(c, flat, sources, src)
+                if back is not None:
+                    back.copy_(flat.view(back.shape))
+                return [tensor]
             in_views = None
             if self.rank == src:
                 sources = [_source(t) for t in inputs]  # type: ignore[union-attr]
@@ -356,10 +414,19 @@ class TcpBackend(Backend):
         if back is not None:
             back.copy_(out.view(back.shape))
 
+    def _shm_reduce_scatter(self, c: algo.Coll, output: "torch.Tensor", inputs: list, op: "Reduction") -> None:
+        out, back = _output(output)
+        self._shm.reduce_scatter(c, out, inputs, op)  # type: ignore[union-attr]
+        if back is not None:
+            back.copy_(out.view(back.shape))
+
     def reduce_scatter(self, output: "torch.Tensor", inputs: Sequence["torch.Tensor"], op: "Reduction") -> Work:
-        check_reduction(op, output.dtype, "tcp reduce_scatter")
+        _check_reduction(op, output.dtype, "tcp reduce_scatter")
 
         def body(c: algo.Coll) -> list:
+            if self._shm is not None:
+                self._shm_reduce_scatter(c, output, [_source(t) for t in inputs], op)
+                return [output]
             work = _concat(c, [_source(t) for t in inputs])  # the inputs must stay untouched
             self._reduce_scatter(c, output, work, [t.numel() for t in inputs], op)
             return [output]
@@ -367,9 +434,12 @@ class TcpBackend(Backend):
         return self._submit("reduce_scatter", output.dtype, op, body)
 
     def reduce_scatter_tensor(self, output: "torch.Tensor", tensor: "torch.Tensor", op: "Reduction") -> Work:
-        check_reduction(op, output.dtype, "tcp reduce_scatter_tensor")
+        _check_reduction(op, output.dtype, "tcp reduce_scatter_tensor")
 
         def body(c: algo.Coll) -> list:
+            if self._shm is not None:
+                self._shm_reduce_scatter(c, output, list(_source(tensor).chunk(self.size)), op)
+                return [output]
             work = _concat(c, [_source(tensor)])
             self._reduce_scatter(c, output, work, [output.numel()] * self.size, op)
             return [output]
@@ -380,8 +450,11 @@ class TcpBackend(Backend):
         def body(c: algo.Coll) -> list:
             sources = [_source(t) for t in inputs]
             staged = [_output(o) for o in outputs]
-            algo.copy_serial(staged[self.rank][0], sources[self.rank])
-            if self.size > 1:
+            if self._shm is not None:
+                self._shm.all_to_all(c, [flat for flat, _ in staged], sources)
+            else:
+                algo.copy_serial(staged[self.rank][0], sources[self.rank])
+            if self.size > 1 and self._shm is None:
                 algo.all_to_all(c, [byte_view(flat) for flat, _ in staged], [byte_view(s) for s in sources])
             for flat, back in staged:
                 if back is not None:
@@ -393,7 +466,9 @@ class TcpBackend(Backend):
 
     def barrier(self) -> Work:
         def body(c: algo.Coll) -> list:
-            if self.size > 1:
+            if self._shm is not None:
+                self._shm.barrier(c)
+            elif self.size > 1:
                 algo.barrier(c)
             return []
 
@@ -407,6 +482,8 @@ class TcpBackend(Backend):
                 return
             self._shut = True
         self._tr.close(self._linger)
+        if self._shm is not None:
+            self._shm.close()
         self._scratch.clear()
         error = DistBackendError(f"tcp backend: {self._tr.me}'s process group was destroyed")
         self._coll_lane.close(error)
@@ -420,7 +497,13 @@ class TcpBackend(Backend):
 
     def __repr__(self) -> str:
         state = "shut down" if self._shut else ("broken" if self._tr.broken else "ok")
-        return f"<TcpBackend rank {self.rank}/{self.size} {state}>"
+        via = " shm" if self._shm is not None else ""
+        return f"<TcpBackend rank {self.rank}/{self.size}{via} {state}>"
+
+    @property
+    def uses_shm(self) -> bool:
+        """Whether this group's collectives go through shared memory."""
+        return self._shm is not None
 
 
 def create_backend(*, store: "Store", rank: int, world_size: int, timeout: Any, options: Optional[Mapping] = None,
@@ -435,4 +518,12 @@ def create_backend(*, store: "Store", rank: int, world_size: int, timeout: Any, 
     timeout = timedelta(seconds=timeout_s)
     sockets = connect_mesh(store, rank, world_size, timeout_s, options) if world_size > 1 else {}
     transport = Transport(rank, world_size, sockets, timeout_s, global_ranks)
-    return TcpBackend(rank, world_size, timeout, transport, options)
+    shm = None
+    if world_size > 1:
+        try:
+            nonce = store.get(NONCE_KEY, timeout=timeout_s).decode()
+            shm = open_shm(store, rank, world_size, timeout_s, options, transport, nonce)
+        except BaseException:
+            transport.close(0.0)
+            raise
+    return TcpBackend(rank, world_size, timeout, transport, options, shm)

@@ -23,6 +23,9 @@ __all__ = ["Lane", "Job", "TcpWork"]
 
 
 class Job:
+    """A function whose result completes a Work (what :meth:`Lane.try_inline` runs; queued
+    jobs are the :class:`TcpWork` objects themselves, which saves an object per operation)."""
+
     __slots__ = ("fn", "work", "queued_at", "eager", "started")
 
     def __init__(self, fn: Callable[[], Any], work: "TcpWork") -> None:
@@ -46,15 +49,34 @@ class Job:
 
 
 class TcpWork(Work):
-    """A :class:`tdist.Work` whose ``wait`` runs its queued job inline when it can."""
+    """A :class:`tdist.Work` whose ``wait`` runs its queued job inline when it can.
 
-    __slots__ = ("_job", "_lane", "_on_timeout")
+    A queued TcpWork is its own job: ``fn`` (its result completes the Work), ``queued_at``,
+    ``eager`` and ``started`` are what the lane needs to schedule it."""
+
+    __slots__ = ("_job", "_lane", "_on_timeout", "fn", "queued_at", "eager", "started")
 
     def __init__(self, op: str, default_timeout: Optional[float]) -> None:
         super().__init__(op, default_timeout)
-        self._job: Optional[Job] = None
+        self._job: Optional["TcpWork"] = None  # self, once queued on a lane
         self._lane: Optional["Lane"] = None
         self._on_timeout: Optional[Callable[["TcpWork"], bool]] = None
+        self.started = False
+
+    def run(self) -> None:
+        """Run the queued function and complete this Work with its result or error."""
+        try:
+            result = self.fn()
+        except BaseException as exc:
+            try:  # the Work's done-callbacks run here: their errors are not the lane's
+                self.set_exception(exc)
+            except Exception:
+                pass
+            return
+        try:
+            self.set_result(result)
+        except Exception:
+            pass
 
     def _wait_impl(self, timeout: Optional[float]) -> bool:
         job = self._job
@@ -82,8 +104,9 @@ class Lane:
         self.grace = grace
         self.idle_after = idle_after
         self.inline_limit = inline_limit  # waits shorter than this never run a job inline
-        self._cv = threading.Condition(threading.Lock())
-        self._queue: deque[Job] = deque()
+        self._lock = threading.Lock()  # taken directly on hot paths (a Condition's ``with`` runs Python code)
+        self._cv = threading.Condition(self._lock)
+        self._queue: deque[TcpWork] = deque()
         self._busy = False
         self._urgent = False
         self._asleep = False
@@ -94,10 +117,11 @@ class Lane:
     def submit(self, fn: Callable[[], Any], work: "TcpWork", eager: bool = False) -> None:
         """Queue ``fn`` (its result completes ``work``). ``eager``: the worker starts it at
         once instead of leaving the caller the grace period to run it itself."""
-        job = Job(fn, work)
+        job = work
+        job.fn = fn
         work._job = job
         work._lane = self
-        with self._cv:
+        with self._lock:
             if self._closed is not None:
                 work.set_exception(self._closed)
                 return
@@ -113,21 +137,21 @@ class Lane:
 
     def try_inline(self, fn: Callable[[], Any], work: "TcpWork") -> bool:
         """Run ``fn`` now in this thread if the lane is idle (keeps FIFO order); else False."""
-        with self._cv:
+        with self._lock:
             if self._closed is not None or self._busy or self._queue:
                 return False
             self._busy = True
         try:
             Job(fn, work).run()
         finally:
-            with self._cv:
+            with self._lock:
                 self._busy = False
                 self._last = time.monotonic()
                 if self._queue:
                     self._cv.notify()
         return True
 
-    def drive(self, job: Job, timeout: Optional[float]) -> None:
+    def drive(self, job: TcpWork, timeout: Optional[float]) -> None:
         """Called by a waiter of ``job``: run the queue up to ``job`` inline if the lane is
         idle (and the wait is long enough), else ask the worker to hurry."""
         if timeout is not None and timeout < self.inline_limit:
@@ -136,7 +160,7 @@ class Lane:
                 self._cv.notify()
             return
         while True:
-            with self._cv:
+            with self._lock:
                 if job.started or self._closed is not None:
                     return
                 if self._busy or not self._queue:
@@ -149,7 +173,7 @@ class Lane:
             try:
                 head.run()
             finally:
-                with self._cv:
+                with self._lock:
                     self._busy = False
                     if self._queue:
                         self._cv.notify()
@@ -199,7 +223,7 @@ class Lane:
             self._cv.notify_all()
         for job in queued:
             job.started = True
-            job.work.set_exception(self._closed)
+            job.set_exception(self._closed)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(5.0)

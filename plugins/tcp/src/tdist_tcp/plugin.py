@@ -13,7 +13,8 @@ from tdist.hookspecs import hookimpl
 
 TDIST_HOOKSPEC_VERSION = "1.0"
 
-DESCRIPTION = "pure-Python collectives and point-to-point over TCP sockets (CPU tensors, every dtype)"
+DESCRIPTION = ("pure-Python collectives and point-to-point over TCP sockets, collectives through shared memory "
+               "between ranks on one host (CPU tensors, every dtype)")
 
 
 def create_tcp_backend(**kwargs: Any) -> Any:
@@ -33,6 +34,7 @@ def tdist_register_backends(registry: Any) -> None:
             operations={"cpu": frozenset(OPERATIONS) | {ANY_SOURCE_OP}},
             description=DESCRIPTION,
             extra={"options": ("host", "ifname", "port", "socket_buffer", "unix", "ring_threshold",
-                               "segment_bytes", "grace", "linger")},
+                               "segment_bytes", "grace", "linger", "shm", "shm_slot_bytes", "shm_direct_bytes",
+                               "shm_block_bytes", "shm_spin_us")},
         )
     )

@@ -143,6 +143,7 @@ class Transport:
         self.broken: Optional[DistBackendError] = None
         self._closing = False
         self._helpers: list[threading.Thread] = []
+        self._break_callbacks: list[Callable[[], None]] = []
         self.peers: list[Optional[_Peer]] = [None] * size
         sndtimeo = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
         for peer_rank, sock in sockets.items():
@@ -468,6 +469,18 @@ class Transport:
         return found.dest, found
 
     # ---------------------------------------------------------------- failure
+    def add_break_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` whenever the group breaks or a peer goes away (e.g. to wake
+        threads that wait on something other than a posted receive)."""
+        self._break_callbacks.append(fn)
+
+    def _notify_break(self) -> None:
+        for fn in list(self._break_callbacks):
+            try:
+                fn()
+            except Exception:
+                pass
+
     def fail(self, err: DistBackendError, notify: bool = True) -> None:
         """Break the group: every pending and later operation raises ``err``.
         With ``notify``, ABORT frames tell the peers (so they raise instead of waiting)."""
@@ -483,6 +496,7 @@ class Transport:
                     peer.coll_posted.clear()
         for pr in pending:
             pr.finish(err)
+        self._notify_break()
         if notify and not self._closing:
             helper = threading.Thread(target=self._send_aborts, args=(str(err),), name="tdist-tcp-abort", daemon=True)
             self._helpers.append(helper)
@@ -511,6 +525,7 @@ class Transport:
             self._p2p_posted[:] = keep
         for pr in pending:
             pr.finish(err)
+        self._notify_break()
         if crashed:
             self.fail(err)
 

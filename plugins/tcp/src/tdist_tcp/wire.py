@@ -54,9 +54,18 @@ REDOP_NAMES = ("", "SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG",
 _REDOP_CODES = {name: code for code, name in enumerate(REDOP_NAMES)}
 
 
+_redop_by_member: dict = {}
+
+
 def redop_code(reduction: Any) -> int:
     """The wire code of a :class:`tdist.Reduction` (0 for none)."""
-    return 0 if reduction is None else _REDOP_CODES.get(reduction.op.name, 0)
+    if reduction is None:
+        return 0
+    member = reduction.op
+    code = _redop_by_member.get(id(member))  # enum members: singletons, slow to hash and to name
+    if code is None:
+        code = _redop_by_member[id(member)] = _REDOP_CODES.get(member.name, 0)
+    return code
 
 
 # Every torch dtype the wire knows by name; unknown ones travel as code 255 (bytes

@@ -1,0 +1,150 @@
+"""``python -m tdist.bench``: collective performance, tdist against torch's gloo and raw MPI.
+
+Examples::
+
+    python -m tdist.bench                                   # every op, 4 B .. 64 MiB, 2 and 4 ranks
+    python -m tdist.bench --ops all_reduce --max-size 16M --world-sizes 2
+    python -m tdist.bench --sizes 4,256K,4M --csv out.csv --json out.json --plot busbw.png
+    python -m tdist.bench --core-overhead
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from typing import Optional
+
+from .report import annotate, table, write_csv, write_json
+from .runner import mpi_available, run_world
+from .workers import OPS
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``4``, ``256K``, ``4MiB``, ``1G`` -> bytes."""
+    s = text.strip().upper().replace(" ", "")
+    digits = s.rstrip("KMGIB")
+    unit = s[len(digits):]
+    if not digits or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (examples: 4, 256K, 4M, 64MiB)")
+    return int(float(digits) * _UNITS[unit])
+
+
+def default_sizes(min_size: int, max_size: int, factor: int) -> list[int]:
+    sizes, n = [], min_size
+    while n <= max_size:
+        sizes.append(n)
+        n *= factor
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tdist.bench",
+        description="Time tdist collectives against torch.distributed's gloo and raw mpi4py "
+                    "(in the spirit of nccl-tests' all_reduce_perf).",
+    )
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated operations (default: {','.join(OPS)})")
+    p.add_argument("--sizes", help="comma-separated sizes in bytes (4,1K,256K,4M); overrides --min/--max-size")
+    p.add_argument("--min-size", type=parse_size, default=4, help="smallest size (default 4)")
+    p.add_argument("--max-size", type=parse_size, default=64 << 20, help="largest size (default 64M)")
+    p.add_argument("--factor", type=int, default=4, choices=(2, 4), help="size step factor (default 4)")
+    p.add_argument("--world-sizes", default="2,4", help="comma-separated numbers of ranks (default 2,4)")
+    p.add_argument("--backends", default="tcp,gloo,mpi",
+                   help="comma-separated: tcp (tdist's), gloo (torch.distributed's), mpi (raw mpi4py), "
+                        "tdist-gloo, tdist-mpi (default tcp,gloo,mpi)")
+    p.add_argument("--no-mpi", action="store_true", help="do not start the workers under mpirun")
+    p.add_argument("--repeats", type=int, default=5, help="timed samples per backend and size (median; default 5)")
+    p.add_argument("--sample-time", type=float, default=0.05, help="seconds per sample (default 0.05)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before sampling (default 3)")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness check of each op and size")
+    p.add_argument("--option", action="append", default=[], metavar="BACKEND:KEY=VALUE",
+                   help="backend option (pg_options), e.g. tcp:shm=0; repeatable")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per world size")
+    p.add_argument("--csv", metavar="FILE", help="also write the results as CSV")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--plot", metavar="FILE", help="also plot bus bandwidth against size (PNG; needs matplotlib)")
+    p.add_argument("--reference", default="gloo", help="backend the ratio columns divide by (default gloo)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each result as it is measured")
+    p.add_argument("--core-overhead", action="store_true",
+                   help="measure the core's own cost per call at world size 1 instead")
+    p.add_argument("--iters", type=int, default=20000, help="calls per sample for --core-overhead")
+    return p
+
+
+def _options(items: list[str]) -> dict:
+    out: dict = {}
+    for item in items:
+        backend, _, kv = item.partition(":")
+        key, eq, value = kv.partition("=")
+        if not backend or not key or not eq:
+            raise SystemExit(f"tdist.bench: bad --option {item!r} (want BACKEND:KEY=VALUE)")
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = value
+        out.setdefault(backend, {})[key] = parsed
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.core_overhead:
+        from .overhead import core_overhead, format_overhead
+
+        result = core_overhead(iters=args.iters, repeats=args.repeats)
+        print(format_overhead(result))
+        if args.json:
+            write_json(args.json, [result], {"mode": "core-overhead"})
+        return 0
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise SystemExit(f"tdist.bench: unknown operation(s) {bad} (known: {', '.join(OPS)})")
+    if args.sizes:
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    else:
+        sizes = default_sizes(args.min_size, args.max_size, args.factor)
+    worlds = [int(w) for w in args.world_sizes.split(",") if w.strip()]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    use_mpi, why = mpi_available()
+    if args.no_mpi:
+        use_mpi, why = False, "--no-mpi"
+    if not use_mpi and "mpi" in backends:
+        print(f"tdist.bench: raw MPI not measured ({why})", file=sys.stderr)
+        backends = [b for b in backends if b != "mpi"]
+    if "tdist-mpi" in backends and not use_mpi:
+        print("tdist.bench: tdist-mpi needs mpirun; skipped", file=sys.stderr)
+        backends = [b for b in backends if b != "tdist-mpi"]
+    cfg = {
+        "ops": ops, "sizes": sizes, "backends": backends, "repeats": args.repeats, "sample_time": args.sample_time,
+        "warmup": args.warmup, "check": not args.no_check, "options": _options(args.option),
+        "timeout": min(args.timeout, 300.0),
+    }
+    results: list[dict] = []
+    started = time.time()
+    for world in worlds:
+        results.extend(run_world(world, cfg, use_mpi, args.timeout, args.verbose))
+    results = annotate(results)
+    print(table(results, backends, args.reference))
+    meta = {"argv": sys.argv[1:] if argv is None else argv, "backends": backends, "mpirun": use_mpi,
+            "host": platform.node(), "python": platform.python_version(), "started": started,
+            "seconds": time.time() - started}
+    if args.csv:
+        write_csv(args.csv, results)
+    if args.json:
+        write_json(args.json, results, meta)
+    if args.plot:
+        from .plot import plot
+
+        plot(args.plot, results, backends)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

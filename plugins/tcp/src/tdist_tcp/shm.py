@@ -1,0 +1,781 @@
+"""Collectives through shared memory, for a group whose ranks all share one host.
+
+When a group is created, rank 0 creates one segment in ``/dev/shm`` and publishes
+its name (under the group's connection nonce) in the store; the other ranks map it
+and check its nonce; once every rank has answered, the segment is unlinked, so it
+disappears with the last process that maps it, however the processes end. If any
+rank cannot map it (another host, another ``/dev/shm``, ``shm`` disabled by
+``options["shm"]`` or ``$TDIST_TCP_SHM=0``, not Linux on x86-64) the whole group
+keeps to its sockets. Point-to-point traffic always goes through the sockets.
+
+The segment holds, per rank, a control block (a step counter, a "sleeping" flag,
+its pid, the descriptors of its current collectives) and two data buffers of
+``shm_slot_bytes`` each. A collective is a sequence of *steps*: a rank writes into
+its own buffer, bumps its counter, waits until every peer's counter has reached
+the same value, then reads what it needs from its peers' buffers. Consecutive
+rounds alternate between the two buffers, so a rank never overwrites data a peer
+may still be reading (a peer that has posted step k has finished reading round
+k - 1). Waiting spins for a few tens of microseconds (never between ranks that are
+threads of one process) and then sleeps in ``futex(2)`` on the peer's counter; a
+poster wakes sleepers only when one has raised its flag.
+
+Checks kept from the socket path:
+
+- every collective's first step publishes (sequence number, operation, reduce op,
+  dtype, size, root); every rank compares its peers' with its own and the group
+  fails everywhere on a mismatch (all_to_all compares the per-pair sizes instead);
+- a dead peer is still seen by its socket (its reader thread breaks the transport,
+  which wakes the waiters here); a peer that destroyed its group, the group
+  timeout and a broken group raise as on the socket path.
+
+Algorithms (``p`` ranks, per-rank buffer ``S`` bytes):
+
+- all_reduce: up to ``shm_direct_bytes`` (512 KiB / p), every rank publishes its tensor and
+  reduces all of them in rank order (one step, bitwise identical results); above,
+  per round of ``S`` bytes, a rank publishes the slices its peers own, reduces its
+  own slice from its tensor and their buffers into its buffer, and after a second
+  step copies every reduced slice out (reduce-scatter then all-gather by reading);
+- reduce: the same, only the root copies out; broadcast, gather, all_gather,
+  scatter, reduce_scatter, all_to_all: one step per round, each rank reading
+  straight from the writer's buffer; barrier: one empty step.
+
+Copies are ``memmove`` through ctypes and reductions numpy ufuncs (both release
+the GIL and stay on one thread), with tdist.reduction's torch functions for the
+dtypes numpy lacks (bfloat16, float8, complex32, ...). The memory ordering relied
+upon (a counter's store seen after the data stores before it) is x86's, hence the
+x86-64 restriction.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import struct
+import sys
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+import numpy as np
+from tdist._errors import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError
+from tdist._reduce_op import ReduceOp
+
+from .wire import describe
+
+if TYPE_CHECKING:
+    import torch
+    from tdist._reduce_op import Reduction
+
+    from .algorithms import Coll
+    from .transport import Transport
+
+__all__ = ["ShmEngine", "open_shm", "shm_enabled", "SHM_ENV", "SHM_PREFIX", "DEFAULT_SLOT_BYTES"]
+
+SHM_ENV = "TDIST_TCP_SHM"
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "tdist-tcp-"
+DEFAULT_SLOT_BYTES = 1 << 20
+DEFAULT_DIRECT_BYTES = 512 << 10  # divided by the group size
+DEFAULT_SPIN_US = 100.0
+DEFAULT_SPIN_US_OVERSUBSCRIBED = 1000.0
+DEFAULT_BLOCK_BYTES = 256 << 10
+
+_MAGIC = b"TDSHM001"
+_HEADER = struct.Struct("<8s16sIIQ")  # magic, nonce, group size, pad, slot bytes
+_CTRL = 256  # control bytes per rank
+_CTR, _FLAG, _PID = 0, 1, 2  # uint32 words of a control block
+_DESC_AT = 64  # two descriptors (by collective parity) from here
+_DESC = struct.Struct("<QQIBBBx")  # seq, nbytes, root, op, redop, dtype
+_MASK = 0xFFFFFFFF
+_HALF = 0x80000000
+_ALIGN = 64
+
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_syscall: Any = None
+
+
+def _libc_syscall() -> Any:
+    global _syscall
+    if _syscall is None:
+        fn = ctypes.CDLL(None, use_errno=True).syscall
+        fn.restype = ctypes.c_long
+        fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_int]
+        _syscall = fn
+    return _syscall
+
+
+def _futex_wait(addr: int, value: int, seconds: float) -> None:
+    """Sleep while the uint32 at ``addr`` holds ``value`` (at most ``seconds``; the GIL is released)."""
+    seconds = max(seconds, 0.0)
+    ts = _Timespec(int(seconds), int((seconds % 1.0) * 1e9))
+    _libc_syscall()(_SYS_FUTEX, addr, _FUTEX_WAIT, value, ctypes.addressof(ts), None, 0)
+
+
+def _futex_wake(addr: int) -> None:
+    _libc_syscall()(_SYS_FUTEX, addr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+_memmove = ctypes.memmove
+
+
+def _flag(value: Any) -> bool:
+    return str(value).strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def shm_enabled(options: Mapping[str, Any]) -> bool:
+    """Whether this rank offers shared memory: ``options["shm"]``, else ``$TDIST_TCP_SHM``
+    (default on), and only on Linux x86-64 with a ``/dev/shm``."""
+    if not _flag(options.get("shm", os.environ.get(SHM_ENV, "1"))):
+        return False
+    if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return os.path.isdir(SHM_DIR)
+
+
+# ------------------------------------------------------------------ numeric kernels
+_NP_DTYPES: Optional[dict] = None
+
+
+def _np_dtype(dtype: "torch.dtype") -> Any:
+    global _NP_DTYPES
+    if _NP_DTYPES is None:
+        import torch
+
+        table = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+                 torch.complex64: np.complex64, torch.complex128: np.complex128, torch.int8: np.int8,
+                 torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+                 torch.bool: np.bool_}
+        for name, npt in (("uint16", np.uint16), ("uint32", np.uint32), ("uint64", np.uint64)):
+            if isinstance(getattr(torch, name, None), torch.dtype):
+                table[getattr(torch, name)] = npt
+        _NP_DTYPES = table
+    return _NP_DTYPES.get(dtype)
+
+
+_UFUNCS = {"SUM": np.add, "AVG": np.add, "PREMUL_SUM": np.add, "PRODUCT": np.multiply, "MIN": np.minimum,
+           "MAX": np.maximum, "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}
+_UFUNCS_BOOL = {**_UFUNCS, "SUM": np.logical_or, "AVG": np.logical_or, "MAX": np.logical_or,
+                "PRODUCT": np.logical_and, "MIN": np.logical_and}
+
+
+class _Kernel:
+    """Views of the segment and of tensors as numpy arrays (or torch tensors for the
+    dtypes numpy lacks), and the reduction ``out = in0 op in1 op ...`` on them."""
+
+    __slots__ = ("eng", "dtype", "es", "op", "npdt", "ufunc")
+
+    def __init__(self, eng: "ShmEngine", dtype: "torch.dtype", op: Optional["Reduction"]) -> None:
+        self.eng = eng
+        self.dtype = dtype
+        self.es = dtype.itemsize
+        self.op = op
+        self.npdt = _np_dtype(dtype)
+        self.ufunc = None
+        if op is not None and self.npdt is not None:
+            table = _UFUNCS_BOOL if self.npdt is np.bool_ else _UFUNCS
+            self.ufunc = table.get(op.op.name)
+        if self.ufunc is None:
+            self.npdt = None  # reductions (and so views) in torch
+
+    def shm(self, off: int, count: int) -> Any:
+        if self.npdt is not None:
+            return self.eng.u8[off:off + count * self.es].view(self.npdt)
+        return self.eng.t8()[off:off + count * self.es].view(self.dtype)
+
+    def ten(self, flat: "torch.Tensor", a: int, b: int) -> Any:
+        piece = flat[a:b]
+        return piece.numpy() if self.npdt is not None else piece
+
+    def reduce(self, out: Any, ins: Sequence[Any]) -> None:
+        """``out = ins[0] op ins[1] op ...`` in that order (``out`` may be ``ins[0]`` itself,
+        and overlaps none of the others).
+
+        Like torch, never warns or raises on floating-point overflow or NaN (numpy's
+        error state is only consulted after the fact, and the reduction redone quietly
+        if it objected; the inputs are untouched, so redoing it is exact)."""
+        if self.ufunc is not None:
+            try:
+                _ufunc_reduce(self.ufunc, out, ins)
+            except FloatingPointError:  # the program asked numpy to raise: torch would not
+                with np.errstate(all="ignore"):
+                    _ufunc_reduce(self.ufunc, out, ins)
+            return
+        from .algorithms import combine_serial, copy_serial
+
+        copy_serial(out, ins[0])
+        for x in ins[1:]:
+            combine_serial(out, x, self.op)  # type: ignore[arg-type]
+
+
+def _ufunc_reduce(uf: Any, out: Any, ins: Sequence[Any]) -> None:
+    uf(ins[0], ins[1], out=out)
+    for x in ins[2:]:
+        uf(out, x, out=out)
+
+
+# numpy warns about floating-point overflow/invalid values in its default error state;
+# torch never does, so the warnings numpy attributes to this module are not shown.
+warnings.filterwarnings("ignore", category=RuntimeWarning, module=__name__.replace(".", r"\."))
+
+
+# --------------------------------------------------------------------- the segment
+def _layout(size: int, slot: int) -> tuple[int, int, int]:
+    """(control offset, data offset, total bytes) of a segment for ``size`` ranks."""
+    ctrl = 4096
+    data = ctrl + ((size * _CTRL + 4095) // 4096) * 4096
+    return ctrl, data, data + 2 * size * slot
+
+
+def _create(size: int, slot: int, nonce: bytes) -> tuple[str, mmap.mmap]:
+    name = f"{SHM_PREFIX}{os.getpid()}-{os.urandom(8).hex()}"
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        total = _layout(size, slot)[2]
+        os.ftruncate(fd, total)
+        mm = mmap.mmap(fd, total)
+    except BaseException:
+        os.close(fd)
+        _unlink(name)
+        raise
+    os.close(fd)
+    _HEADER.pack_into(mm, 0, _MAGIC, nonce, size, 0, slot)
+    return name, mm
+
+
+def _attach(name: str, size: int, slot: int, nonce: bytes) -> Optional[mmap.mmap]:
+    if "/" in name or not name.startswith(SHM_PREFIX):
+        return None
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        total = _layout(size, slot)[2]
+        if os.fstat(fd).st_size != total:
+            return None
+        mm = mmap.mmap(fd, total)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if _HEADER.unpack_from(mm, 0) != (_MAGIC, nonce, size, 0, slot):
+        mm.close()
+        return None
+    return mm
+
+
+def _set_pid(mm: mmap.mmap, size: int, slot: int, rank: int) -> None:
+    """Publish this rank's pid (ranks that are threads of one process never spin)."""
+    struct.pack_into("<I", mm, _layout(size, slot)[0] + rank * _CTRL + 4 * _PID, os.getpid() & _MASK)
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except OSError:
+        pass
+
+
+def open_shm(store: Any, rank: int, size: int, timeout: float, options: Mapping[str, Any],
+             transport: "Transport", nonce_hex: str) -> Optional["ShmEngine"]:
+    """Set up (or decline, on every rank alike) the group's shared segment.
+
+    Keys live under the group's connection nonce, so a re-created group never reads
+    a previous incarnation's. Every rank answers ``ok`` or not; the segment is used
+    only if all did, and unlinked by everyone once all have answered. Rank 0's buffer
+    size and one-step threshold (which decide the algorithms) are everybody's.
+    """
+    deadline = time.monotonic() + timeout
+    want = shm_enabled(options)
+    slot = max(_ALIGN * size * 64, int(options.get("shm_slot_bytes", DEFAULT_SLOT_BYTES)))
+    slot = (slot + 4095) // 4096 * 4096
+    direct = min(int(options.get("shm_direct_bytes", DEFAULT_DIRECT_BYTES // size)), slot)
+    nonce = bytes.fromhex(nonce_hex)[:16].ljust(16, b"\0")
+    key = f"tcp/shm/{nonce_hex}/"
+    name = ""
+    mm: Optional[mmap.mmap] = None
+    try:
+        if rank == 0:
+            if want:
+                try:
+                    name, mm = _create(size, slot, nonce)
+                    _set_pid(mm, size, slot, rank)
+                except OSError:
+                    name, mm = "", None
+            store.set(key + "name", f"{name}:{slot}:{direct}")
+        else:
+            raw = store.get(key + "name", timeout=max(0.01, deadline - time.monotonic())).decode()
+            name, their_slot, their_direct = raw.rsplit(":", 2)
+            slot, direct = int(their_slot), int(their_direct)
+            if want and name:
+                mm = _attach(name, size, slot, nonce)
+            if mm is not None:
+                _set_pid(mm, size, slot, rank)
+            store.set(key + f"ok/{rank}", "1" if mm is not None else "0")
+        keys = [key + f"ok/{r}" for r in range(1, size)]
+        try:
+            store.wait(keys, timeout=max(0.01, deadline - time.monotonic()))
+        except DistStoreTimeoutError:
+            missing = [r for r in range(1, size) if not store.check([key + f"ok/{r}"])]
+            raise DistBackendTimeoutError(
+                f"tcp backend: rank {rank} timed out after {timeout:g} s setting up shared memory: "
+                f"ranks {missing} did not answer"
+            ) from None
+        verdict = bool(name) and all(store.get(k, timeout=1.0) == b"1" for k in keys)
+    finally:
+        if name:
+            _unlink(name)  # everyone has mapped it (or given up): the name is no longer needed
+    if not verdict or mm is None:
+        return None
+    return ShmEngine(mm, rank, size, slot, transport, options, direct)
+
+
+# ------------------------------------------------------------------------- engine
+class ShmEngine:
+    """One group's collectives over its shared segment (one collective at a time)."""
+
+    def __init__(self, mm: mmap.mmap, rank: int, size: int, slot: int, transport: "Transport",
+                 options: Mapping[str, Any], direct_bytes: Optional[int] = None) -> None:
+        self.mm = mm
+        self.r, self.p = rank, size
+        self.S = slot
+        self.tr = transport
+        ctrl, data, _total = _layout(size, slot)
+        self._ctrl_off, self._data_off = ctrl, data
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        self.u8 = np.frombuffer(mm, dtype=np.uint8)
+        self._t8: Any = None
+        words = _CTRL // 4
+        self.ctl = (ctypes.c_uint32 * (size * words)).from_buffer(mm, ctrl)
+        self._me_ctr = rank * words + _CTR
+        self._me_flag = rank * words + _FLAG
+        self._my_addr = self.base + ctrl + rank * _CTRL
+        self._peers = [q for q in range(size) if q != rank]
+        self._peer_ctr = [(q, q * words + _CTR, self.base + ctrl + q * _CTRL) for q in self._peers]
+        self._peer_flags = [q * words + _FLAG for q in self._peers]
+        self.k = 0  # steps posted
+        self.rounds = 0  # rounds started (buffer parity)
+        # the one-step all_reduce reads p times the data: worth it while that stays small
+        if direct_bytes is None:
+            direct_bytes = int(options.get("shm_direct_bytes", DEFAULT_DIRECT_BYTES // size))
+        self.direct_bytes = min(direct_bytes, slot)  # must be the same on every rank
+        self.block_bytes = max(4096, int(options.get("shm_block_bytes", DEFAULT_BLOCK_BYTES)))
+        self._my_desc = [ctrl + rank * _CTRL + _DESC_AT, ctrl + rank * _CTRL + _DESC_AT + 32]
+        self._kernels: dict = {}
+        self._last_kernel: tuple = (None, None, None)
+        self._views: dict = {}
+        self._spin_option = options.get("shm_spin_us")
+        self._spin: Optional[float] = None
+        self._yield = False
+        self.closed = False
+        transport.add_break_callback(self.wake)
+
+    # ---------------------------------------------------------------- helpers
+    def t8(self) -> Any:
+        if self._t8 is None:
+            import torch
+
+            self._t8 = torch.frombuffer(self.mm, dtype=torch.uint8)
+        return self._t8
+
+    def kernel(self, dtype: "torch.dtype", op: "Reduction") -> _Kernel:
+        last_dtype, last_member, k = self._last_kernel
+        member = op.op
+        if dtype is not last_dtype or member is not last_member:
+            key = (dtype, id(member))  # enum members are singletons (and slow to hash)
+            k = self._kernels.get(key)
+            if k is None:
+                k = self._kernels[key] = _Kernel(self, dtype, op)
+            self._last_kernel = (dtype, member, k)
+        k.op = op  # the torch fallback's combine_ needs the call's own Reduction
+        return k
+
+    def views(self, b: int, nbytes: int, npdt: Any) -> list:
+        """numpy views of the first ``nbytes`` of every rank's buffer ``b`` (cached)."""
+        key = (b, nbytes, npdt)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            v = self._views[key] = [self.u8[o:o + nbytes].view(npdt) for o in
+                                    (self.off(q, b) for q in range(self.p))]
+        return v
+
+    def off(self, q: int, b: int) -> int:
+        return self._data_off + (2 * q + b) * self.S
+
+    def _next_buffer(self) -> int:
+        b = self.rounds & 1
+        self.rounds += 1
+        return b
+
+    def _spin_setup(self) -> None:
+        words = _CTRL // 4
+        me = os.getpid() & _MASK
+        same_process = any(self.ctl[q * words + _PID] == me for q in self._peers)
+        ncpu = os.cpu_count() or 1
+        if self._spin_option is not None:
+            spin = float(self._spin_option) * 1e-6
+        else:  # more ranks than CPUs: the peer often needs our CPU, which the spin yields to it
+            spin = (DEFAULT_SPIN_US if self.p <= ncpu else DEFAULT_SPIN_US_OVERSUBSCRIBED) * 1e-6
+        self._spin = 0.0 if same_process else spin
+        self._yield = _flag(os.environ.get("TDIST_TCP_SHM_YIELD", "1"))
+
+    def wake(self) -> None:
+        """Wake every waiter of this segment (the transport broke or a peer left)."""
+        if self.closed:
+            return
+        for _q, _i, addr in self._peer_ctr:
+            _futex_wake(addr)
+        _futex_wake(self._my_addr)
+
+    def close(self) -> None:
+        """Forget the segment (it is unmapped once nothing refers to it any more)."""
+        if not self.closed:
+            self.wake()
+            self.closed = True
+
+    # ----------------------------------------------------------------- stepping
+    def _put_desc(self, c: "Coll", nbytes: int, root: int = 0) -> tuple:
+        desc = (c.seq, nbytes, root, c.op, c.redop, c.dtype)
+        _DESC.pack_into(self.mm, self._my_desc[c.seq & 1], *desc)
+        return desc
+
+    def _step(self, c: "Coll", desc: Optional[tuple] = None) -> None:
+        """Post the next step, wait for every peer to post it, check descriptors on a first step."""
+        ctl = self.ctl
+        k = (self.k + 1) & _MASK
+        self.k = k
+        ctl[self._me_ctr] = k
+        for fi in self._peer_flags:
+            if ctl[fi]:
+                _futex_wake(self._my_addr)
+                break
+        for q, ci, addr in self._peer_ctr:
+            if (ctl[ci] - k) & _MASK >= _HALF:
+                self._wait(c, q, ci, addr, k)
+        if desc is not None:
+            self._check(c, desc)
+
+    def _wait(self, c: "Coll", q: int, ci: int, addr: int, k: int) -> None:
+        ctl = self.ctl
+        if self._spin is None:
+            self._spin_setup()
+        if self._spin:
+            clock = time.perf_counter
+            end = clock() + self._spin
+            n = 0
+            while True:
+                if (ctl[ci] - k) & _MASK < _HALF:
+                    return
+                n += 1
+                if not n & 31:
+                    if clock() > end:
+                        break
+                    if self._yield:
+                        os.sched_yield()
+        ctl[self._me_flag] = 1
+        try:
+            pause = 0.0005
+            while True:
+                v = ctl[ci]
+                if (v - k) & _MASK < _HALF:
+                    return
+                self._check_alive(c, q, k)
+                left = c.deadline - time.monotonic()
+                _futex_wait(addr, v, min(pause, max(left, 0.0)))
+                pause = min(pause * 2, 0.05)
+        finally:
+            ctl[self._me_flag] = 0
+
+    def _check_alive(self, c: "Coll", q: int, k: int) -> None:
+        tr = self.tr
+        if tr.broken is not None:
+            raise tr.broken
+        peer = tr.peers[q]
+        if peer is not None and peer.closed is not None:
+            raise DistBackendError(peer.closed)
+        if self.closed:
+            raise DistBackendError(f"tcp backend: {tr.me}'s process group was destroyed")
+        if time.monotonic() >= c.deadline:
+            raise DistBackendTimeoutError(
+                f"tcp backend: {tr.me} timed out after {tr.timeout:g} s in "
+                f"{describe(c.op, c.redop, c.seq, c.dtype, 0)} (shared memory) waiting for {tr.label(q)}"
+            )
+
+    def _check(self, c: "Coll", desc: tuple) -> None:
+        parity = (c.seq & 1) * 32
+        for q in self._peers:
+            theirs = _DESC.unpack_from(self.mm, self._ctrl_off + q * _CTRL + _DESC_AT + parity)
+            if theirs == desc:
+                continue
+            seq, nbytes, root, op, redop, dtype = theirs
+            what = describe(c.op, c.redop, c.seq, c.dtype, desc[1])
+            got = describe(op, redop, seq, dtype, nbytes)
+            if root != desc[2]:
+                what += f" (root {desc[2]})"
+                got += f" (root {root})"
+            raise DistBackendError(
+                f"tcp backend: {self.tr.me} expected {what} from {self.tr.label(q)} but got {got} (the ranks "
+                "called different collectives, or with different sizes, dtypes, roots or reduce ops)"
+            )
+
+    # -------------------------------------------------------------- collectives
+    def barrier(self, c: "Coll") -> None:
+        self._step(c, self._put_desc(c, 0))
+
+    def all_reduce(self, c: "Coll", flat: "torch.Tensor", op: "Reduction", root: Optional[int] = None) -> None:
+        """``flat`` := the reduction over ranks (``root`` given: only there, as ``reduce``)."""
+        p, r = self.p, self.r
+        nb = flat.nbytes
+        K = self.kernel(flat.dtype, op)
+        avg = op.op is ReduceOp.AVG
+        if nb <= self.direct_bytes:
+            b = self.rounds & 1
+            self.rounds += 1
+            desc = self._put_desc(c, nb, root or 0)
+            uf = K.ufunc
+            if uf is not None:  # numpy all the way (the common case, and the fast one)
+                arr = flat.numpy()
+                views = self._views.get((b, nb, K.npdt)) or self.views(b, nb, K.npdt)
+                np.copyto(views[r], arr)
+                self._step(c, desc)
+                if root is None or root == r:  # every rank: the same operands in the same order
+                    if p == 2 and not avg:  # the usual case, without the generic helper's calls
+                        try:
+                            uf(views[0], views[1], out=arr)
+                        except FloatingPointError:
+                            K.reduce(arr, views)
+                        return
+                    K.reduce(arr, views)
+                    if avg:
+                        self._finalize(flat, op)
+                return
+            n = flat.numel()
+            if nb:
+                _memmove(self.base + self.off(r, b), flat.data_ptr(), nb)
+            self._step(c, desc)
+            if nb and (root is None or root == r):
+                K.reduce(flat, [K.shm(self.off(q, b), n) for q in range(p)])
+                if avg:
+                    self._finalize(flat, op)
+            return
+        es = flat.element_size()
+        n = flat.numel()
+        ptr = flat.data_ptr()
+        chunk = self.S // es
+        block = max(1, self.block_bytes // es)
+        keep = root is None or root == r
+        desc = None
+        for a in range(0, n, chunk):
+            m = min(chunk, n - a)
+            b = self._next_buffer()
+            if desc is None:
+                desc = self._put_desc(c, nb, root or 0)
+                first = desc
+            else:
+                first = None
+            mine = self.off(r, b)
+            lo, hi = m * r // p, m * (r + 1) // p
+            at = ptr + a * es
+            if lo:  # my peers' slices of this chunk: they reduce them
+                _memmove(self.base + mine, at, lo * es)
+            if hi < m:
+                _memmove(self.base + mine + hi * es, at + hi * es, (m - hi) * es)
+            self._step(c, first)
+            # my slice: my data (from the tensor) op the peers' (in rank order, for determinism),
+            # in cache-sized blocks, each copied to my tensor while it is still in the cache
+            for s0 in range(lo, hi, block):
+                s1 = min(s0 + block, hi)
+                ins = [K.ten(flat, a + s0, a + s1) if q == r else K.shm(self.off(q, b) + s0 * es, s1 - s0)
+                       for q in range(p)]
+                K.reduce(K.shm(mine + s0 * es, s1 - s0), ins)
+                if avg:
+                    self._finalize(self.t8()[mine + s0 * es:mine + s1 * es].view(flat.dtype), op)
+                if keep:
+                    _memmove(at + s0 * es, self.base + mine + s0 * es, (s1 - s0) * es)
+            self._step(c)
+            if keep:
+                for q in self._peers:
+                    qlo, qhi = m * q // p, m * (q + 1) // p
+                    if qhi > qlo:
+                        _memmove(at + qlo * es, self.base + self.off(q, b) + qlo * es, (qhi - qlo) * es)
+
+    def _finalize(self, t: "torch.Tensor", op: "Reduction") -> None:
+        from tdist.reduction import finalize_
+
+        from .algorithms import serially
+
+        serially(lambda piece: finalize_(piece, op, self.p), t)
+
+    def broadcast(self, c: "Coll", flat: "torch.Tensor", src: int) -> None:
+        nb = flat.numel() * flat.element_size()
+        desc = self._put_desc(c, nb, src)
+        ptr = flat.data_ptr()
+        S, r = self.S, self.r
+        a = 0
+        while True:
+            m = min(S, nb - a)
+            b = self._next_buffer()
+            if r == src and m:
+                _memmove(self.base + self.off(src, b), ptr + a, m)
+            self._step(c, desc if a == 0 else None)
+            if r != src and m:
+                _memmove(ptr + a, self.base + self.off(src, b), m)
+            a += m
+            if a >= nb:
+                return
+
+    def gather_blocks(self, c: "Coll", src: "torch.Tensor", outs: Optional[Sequence["torch.Tensor"]],
+                      root: Optional[int]) -> None:
+        """all_gather (``root`` None) or gather: ``outs[q]`` receives rank q's ``src``."""
+        nb = src.numel() * src.element_size()
+        desc = self._put_desc(c, nb, root or 0)
+        S, r = self.S, self.r
+        sptr = src.data_ptr()
+        reader = root is None or root == r
+        if reader and outs is not None and nb:
+            _memmove(outs[r].data_ptr(), sptr, nb)
+        a = 0
+        while True:
+            m = min(S, nb - a)
+            b = self._next_buffer()
+            if m:
+                _memmove(self.base + self.off(r, b), sptr + a, m)
+            self._step(c, desc if a == 0 else None)
+            if reader and outs is not None and m:
+                for q in self._peers:
+                    _memmove(outs[q].data_ptr() + a, self.base + self.off(q, b), m)
+            a += m
+            if a >= nb:
+                return
+
+    def _block(self) -> int:
+        return max(_ALIGN, (self.S // self.p) // _ALIGN * _ALIGN)
+
+    def scatter(self, c: "Coll", dst: "torch.Tensor", ins: Optional[Sequence["torch.Tensor"]], src: int) -> None:
+        nb = dst.numel() * dst.element_size()
+        desc = self._put_desc(c, nb, src)
+        r = self.r
+        blk = self._block()
+        if r == src and ins is not None and nb:
+            _memmove(dst.data_ptr(), ins[r].data_ptr(), nb)
+        a = 0
+        while True:
+            m = min(blk, nb - a)
+            b = self._next_buffer()
+            base = self.base + self.off(src, b)
+            if r == src and ins is not None and m:
+                for q in self._peers:
+                    _memmove(base + q * blk, ins[q].data_ptr() + a, m)
+            self._step(c, desc if a == 0 else None)
+            if r != src and m:
+                _memmove(dst.data_ptr() + a, base + r * blk, m)
+            a += m
+            if a >= nb:
+                return
+
+    def reduce_scatter(self, c: "Coll", out: "torch.Tensor", ins: Sequence["torch.Tensor"], op: "Reduction") -> None:
+        """Rank r's ``out`` := reduction over ranks of their ``ins[r]`` (``ins`` are flat
+        and contiguous; PREMUL_SUM is applied here, to copies, never to ``ins``)."""
+        from tdist.reduction import prescale_
+
+        from .algorithms import serially
+
+        r = self.r
+        es = out.element_size()
+        n = out.numel()
+        nb = n * es
+        desc = self._put_desc(c, nb)
+        K = self.kernel(out.dtype, op)
+        premul = op.op is ReduceOp.PREMUL_SUM
+        avg = op.op is ReduceOp.AVG
+        blk_elems = self._block() // es
+        blk = blk_elems * es
+        own: Any = None
+        if premul and n:
+            own = ins[r].clone()
+            serially(lambda piece: prescale_(piece, op), own)
+        a = 0
+        while True:
+            m = min(blk_elems, n - a)
+            b = self._next_buffer()
+            mine = self.off(r, b)
+            if m:
+                for d in self._peers:
+                    _memmove(self.base + mine + d * blk, ins[d].data_ptr() + a * es, m * es)
+                    if premul:
+                        t = self.t8()[mine + d * blk:mine + d * blk + m * es].view(out.dtype)
+                        serially(lambda piece: prescale_(piece, op), t)
+            self._step(c, desc if a == 0 else None)
+            if m:  # own contribution first: ``out`` may be a view of it (in-place reduce_scatter)
+                src_own = own if own is not None else ins[r]
+                parts = [K.ten(src_own, a, a + m)] + [K.shm(self.off(q, b) + r * blk, m) for q in self._peers]
+                K.reduce(K.ten(out, a, a + m), parts)
+            a += m
+            if a >= n:
+                break
+        if avg and n:
+            self._finalize(out, op)
+
+    def all_to_all(self, c: "Coll", outs: Sequence["torch.Tensor"], ins: Sequence["torch.Tensor"]) -> None:
+        """``outs[q]`` of rank r := rank q's ``ins[r]``. Sizes may differ per pair: every rank
+        publishes what it sends to and expects from each rank, and every rank checks the
+        whole matrix (so all of them raise on a disagreement, not just its victims)."""
+        r, p = self.r, self.p
+        in_nb = [t.numel() * t.element_size() for t in ins]
+        out_nb = [t.numel() * t.element_size() for t in outs]
+        desc = self._put_desc(c, 0)  # sizes differ per pair: checked from the tables below
+        blk = self._block()
+        table = struct.Struct(f"<{2 * p}Q")
+        head = (table.size + _ALIGN - 1) // _ALIGN * _ALIGN
+        first_blk = max(0, (self.S - head) // p // _ALIGN * _ALIGN)
+        b = self._next_buffer()
+        mine = self.off(r, b)
+        table.pack_into(self.mm, mine, *in_nb, *out_nb)
+        for d in self._peers:
+            m = min(first_blk, in_nb[d])
+            if m:
+                _memmove(self.base + mine + head + d * first_blk, ins[d].data_ptr(), m)
+        self._step(c, desc)
+        tables = [table.unpack_from(self.mm, self.off(q, b)) for q in range(p)]
+        for q in range(p):  # q sends tables[q][d] bytes to d, which expects tables[d][p + q]
+            for d in range(p):
+                if tables[q][d] != tables[d][p + q]:
+                    raise DistBackendError(
+                        f"tcp backend: {self.tr.me} in {describe(c.op, c.redop, c.seq, c.dtype, 0)}: "
+                        f"{self.tr.label(q)} sends {tables[q][d]} bytes to {self.tr.label(d)}, which expects "
+                        f"{tables[d][p + q]} (the ranks called all_to_all with different split sizes)"
+                    )
+        longest = max(max(t[:p]) for t in tables)
+        if out_nb[r]:
+            _memmove(outs[r].data_ptr(), ins[r].data_ptr(), out_nb[r])
+        for q in self._peers:
+            m = min(first_blk, out_nb[q])
+            if m:
+                _memmove(outs[q].data_ptr(), self.base + self.off(q, b) + head + r * first_blk, m)
+        a = first_blk
+        while a < longest:
+            b = self._next_buffer()
+            mine = self.off(r, b)
+            for d in self._peers:
+                m = min(blk, in_nb[d] - a)
+                if m > 0:
+                    _memmove(self.base + mine + d * blk, ins[d].data_ptr() + a, m)
+            self._step(c)
+            for q in self._peers:
+                m = min(blk, out_nb[q] - a)
+                if m > 0:
+                    _memmove(outs[q].data_ptr() + a, self.base + self.off(q, b) + r * blk, m)
+            a += blk

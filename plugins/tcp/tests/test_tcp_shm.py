@@ -1,0 +1,267 @@
+"""The tcp backend's shared-memory collectives (tdist_tcp.shm): correctness across sizes,
+dtypes and reduce ops (in one round of the segment's buffers and in many), opt-out,
+the whole group falling back when one rank declines, mismatch, dead peers, timeouts,
+and no segment left in /dev/shm or mapped after destroy or a killed peer."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import _tcp_jobs as J
+import pytest
+import torch
+from _tcp_harness import DictStore, ProcWorld, make_backend, run_threads
+from tdist._errors import DistBackendTimeoutError
+from tdist._reduce_op import ReduceOp, Reduction
+from tdist_tcp import shm as S
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not S.shm_enabled({"shm": True}), reason="shared memory needs Linux x86-64 and /dev/shm"),
+]
+
+SMALL = {"shm_slot_bytes": 16384, "shm_direct_bytes": 256}  # many rounds, two-step all_reduce early
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    world = ProcWorld(2, str(tmp_path_factory.mktemp("tcp-shm-world2")))
+    try:
+        yield world
+    finally:
+        world.close()
+
+
+@pytest.fixture(scope="module")
+def world3(tmp_path_factory):
+    world = ProcWorld(3, str(tmp_path_factory.mktemp("tcp-shm-world3")))
+    try:
+        yield world
+    finally:
+        world.close()
+
+
+def _check_suites(results, world):
+    digests = set()
+    for rank, (uses_shm, failures, digest, files, mappings) in enumerate(results):
+        assert uses_shm, f"rank {rank} did not use shared memory"
+        assert failures == [], (rank, failures[:10])
+        assert files == [], f"rank {rank}: segments still in /dev/shm: {files}"
+        assert mappings == 1, f"rank {rank} maps {mappings} tdist-tcp segments (expected only its group's)"
+        digests.add(digest)
+    assert len(digests) == 1, "ranks disagree bitwise on all_reduce results"
+    assert len(results) == world
+
+
+@pytest.mark.parametrize("options", [{}, SMALL], ids=["default", "small-buffers"])
+def test_suites_processes_2(world2, options):
+    _check_suites(world2.run("shm_suites_job", timeout=150, options=options), 2)
+
+
+@pytest.mark.parametrize("options", [{}, SMALL], ids=["default", "small-buffers"])
+def test_suites_processes_3(world3, options):
+    _check_suites(world3.run("shm_suites_job", timeout=150, options=options), 3)
+
+
+def test_suites_threads_4():
+    """Ranks that are threads of one process (they never spin) and 4 ranks."""
+    results = run_threads(4, lambda b, r: J.shm_suites_job(b, r, sizes=(5, 2000), n=700), timeout=150,
+                          options=SMALL)
+    for rank, (uses_shm, failures, digest, _files, _maps) in enumerate(results):
+        assert uses_shm and failures == [], (rank, failures[:10])
+    assert len({r[2] for r in results}) == 1
+
+
+def test_large_all_reduce_matches_socket_path():
+    """A multi-round all_reduce (random floats, SUM and AVG) gives what the socket path gives
+    up to rounding, and every rank the same bits."""
+    n = 3 * (1 << 20) + 5
+    g = torch.Generator().manual_seed(7)
+    inputs = [torch.randn(n, generator=g) for _ in range(2)]
+    want = inputs[0] + inputs[1]
+
+    def body(b, rank):
+        t = inputs[rank].clone()
+        b.all_reduce(t, Reduction(ReduceOp.SUM)).wait()
+        a = inputs[rank].clone()
+        b.all_reduce(a, Reduction(ReduceOp.AVG)).wait()
+        return b.uses_shm, t, a
+
+    results = run_threads(2, body, timeout=120)
+    assert all(r[0] for r in results)
+    assert torch.equal(results[0][1], results[1][1]) and torch.equal(results[0][2], results[1][2])
+    assert torch.allclose(results[0][1], want) and torch.allclose(results[0][2], want / 2)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_in_place_reduce_scatter_and_all_gather(world):
+    """Outputs that are views of the inputs (rank r's chunk), as NCCL-style in-place calls make them."""
+    n = 1000
+
+    def body(b, rank):
+        big = torch.cat([torch.full((n,), float(10 * rank + j)) for j in range(world)])
+        out = big[rank * n:(rank + 1) * n]
+        b.reduce_scatter_tensor(out, big, Reduction(ReduceOp.SUM)).wait()
+        want = float(sum(10 * k + rank for k in range(world)))
+        ok_rs = bool((out == want).all())
+        gathered = torch.zeros(world * n)
+        gathered[rank * n:(rank + 1) * n] = rank + 1
+        b.all_gather_into_tensor(gathered, gathered[rank * n:(rank + 1) * n]).wait()
+        ok_ag = torch.equal(gathered, torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(n))
+        return b.uses_shm, ok_rs, ok_ag
+
+    assert run_threads(world, body) == [(True, True, True)] * world
+
+
+# ------------------------------------------------------------------ opting out
+def test_opt_out_option():
+    results = run_threads(2, lambda b, r: (b.uses_shm, J.all_reduce_suite(b, r, sizes=(5,))),
+                          options={"shm": False})
+    assert results == [(False, [])] * 2
+
+
+def test_opt_out_env(monkeypatch):
+    monkeypatch.setenv(S.SHM_ENV, "0")
+    results = run_threads(2, lambda b, r: b.uses_shm)
+    assert results == [False, False]
+
+
+@pytest.mark.parametrize("decliner", [0, 2])
+def test_one_rank_declining_keeps_the_whole_group_on_sockets(decliner):
+    store = DictStore()
+    out: list = [None] * 3
+
+    def target(rank):
+        b = make_backend(store, rank, 3, 20.0, {"shm": rank != decliner})
+        try:
+            out[rank] = (b.uses_shm, J.collectives_suite(b, rank, n=9))
+        finally:
+            b.shutdown()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out == [(False, [])] * 3
+    assert J.shm_files([os.getpid()]) == []
+
+
+def test_ranks_with_different_tuning_still_agree():
+    """The algorithm-deciding sizes are rank 0's on every rank (no silent desync when a
+    program passes different options per rank)."""
+    store = DictStore()
+    out: list = [None] * 2
+    options = [{"shm_direct_bytes": 64, "shm_slot_bytes": 1 << 16}, {"shm_direct_bytes": 1 << 20}]
+
+    def target(rank):
+        b = make_backend(store, rank, 2, 20.0, options[rank])
+        try:
+            out[rank] = (b.uses_shm, J.all_reduce_suite(b, rank, sizes=(5, 1000, 30000)))
+        finally:
+            b.shutdown()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out == [(True, [])] * 2
+
+
+# ------------------------------------------------------------------ failures
+@pytest.mark.parametrize("kind", ["op", "size", "dtype", "root", "redop"])
+def test_mismatch_raises_everywhere(kind):
+    results = run_threads(3, lambda b, r: (b.uses_shm, J.mismatch_job(b, r, kind)), backend_timeout=20)
+    for rank, (uses_shm, (first, later, _p2p)) in enumerate(results):
+        assert uses_shm
+        assert first[0] == "DistBackendError" and first[2] < 10, (rank, first)
+        assert later[0] == "DistBackendError", (rank, later)
+
+
+def test_all_to_all_split_mismatch_raises():
+    def body(b, rank):
+        outs = [torch.empty(4) for _ in range(2)]
+        ins = [torch.ones(4 if rank == 0 else 5) for _ in range(2)]
+        return J.describe_error(lambda: b.all_to_all(outs, ins).wait())
+
+    results = run_threads(2, body, backend_timeout=20)
+    for name, text, elapsed in results:
+        assert name == "DistBackendError" and elapsed < 10, (name, text)
+    assert any("split sizes" in text for _n, text, _e in results), results
+
+
+def test_timeout_when_a_peer_never_comes():
+    def body(b, rank):
+        if rank == 1:
+            time.sleep(3.0)
+            return None
+        return J.describe_error(lambda: b.all_reduce(torch.ones(1000), Reduction(ReduceOp.SUM)).wait())
+
+    results = run_threads(2, body, backend_timeout=1.0, timeout=60)
+    name, text, elapsed = results[0]
+    assert name == "DistBackendTimeoutError", (name, text)
+    assert "shared memory" in text and "rank 1" in text
+    assert 0.5 < elapsed < 6
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_killed_peer_fails_survivors_and_leaks_nothing(world3, how):
+    pids = world3.pids()
+    results = world3.run("dead_peer_job", 2, how, backend_timeout=60, dead_ok=[2], timeout=60)
+    assert results[2] == "dead"
+    for rank in (0, 1):
+        (name, text, elapsed), later = results[rank]
+        assert name == "DistBackendError" and "rank 2" in text, (rank, text)
+        assert elapsed < 8, elapsed
+        assert later[0] == "DistBackendError"
+    assert J.shm_files(pids + [os.getpid()]) == []
+    # the survivors released the dead group's mapping
+    after = world3.run("shm_state_job", timeout=60)
+    assert [(u, f, m) for u, f, m in after] == [(True, [], 1)] * 3
+    assert J.shm_files(world3.pids()) == []
+
+
+def test_destroy_releases_everything():
+    def body(b, rank):
+        b.all_reduce(torch.ones(100000), Reduction(ReduceOp.SUM)).wait()
+        return b.uses_shm
+
+    assert run_threads(2, body) == [True, True]
+    assert J.shm_files([os.getpid()]) == []
+    assert J.shm_mappings() == 0
+
+
+def test_setup_with_a_missing_rank_unlinks_the_segment():
+    """Rank 0 creates the segment, its peer never answers: the setup times out and the
+    name is gone from /dev/shm."""
+    from tdist_tcp.transport import Transport
+
+    store = DictStore()
+    tr = Transport(0, 2, {}, 1.0)
+    try:
+        with pytest.raises(Exception) as info:
+            S.open_shm(store, 0, 2, 0.5, {}, tr, "ab" * 16)
+        assert isinstance(info.value, DistBackendTimeoutError), info.value
+        assert "ranks [1]" in str(info.value)
+    finally:
+        tr.close(0.0)
+    assert J.shm_files([os.getpid()]) == []
+
+
+def test_segment_of_another_group_is_refused():
+    """A name whose header carries another nonce (a stale or foreign segment) is not attached."""
+    name, mm = S._create(2, 65536, b"x" * 16)
+    try:
+        assert S._attach(name, 2, 65536, b"y" * 16) is None
+        assert S._attach(name, 3, 65536, b"x" * 16) is None
+        other = S._attach(name, 2, 65536, b"x" * 16)
+        assert other is not None
+        other.close()
+        assert S._attach("../etc/passwd", 2, 65536, b"x" * 16) is None
+    finally:
+        mm.close()
+        S._unlink(name)
+

@@ -1,0 +1,78 @@
+"""``python -m tdist.bench``: a quick smoke run (2 ranks, all_reduce at 4 B and 1 KiB), the
+report helpers and ``--core-overhead``. No timing is asserted: the machine is shared."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tdist.bench.__main__ import default_sizes, parse_size
+from tdist.bench.report import annotate, bus_factor, table, write_csv
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(args, tmp_path, timeout=240):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "tdist.bench", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_smoke_all_reduce_two_ranks(tmp_path):
+    out = tmp_path / "r.json"
+    csv = tmp_path / "r.csv"
+    proc = _run(["--sizes", "4,1024", "--world-sizes", "2", "--ops", "all_reduce", "--repeats", "2",
+                 "--sample-time", "0.01", "--json", str(out), "--csv", str(csv)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all_reduce, 2 ranks" in proc.stdout
+    assert "tcp/gloo" in proc.stdout
+    data = json.loads(out.read_text())
+    rows = data["results"]
+    backends = {r["backend"] for r in rows}
+    assert {"tcp", "gloo"} <= backends
+    assert {(r["backend"], r["bytes"]) for r in rows} >= {("tcp", 4), ("tcp", 1024), ("gloo", 4), ("gloo", 1024)}
+    for r in rows:
+        assert r["world"] == 2 and r["op"] == "all_reduce" and r["time_s"] > 0 and r["busbw_GBps"] >= 0
+    assert csv.read_text().splitlines()[0].startswith("world,op,bytes,backend,time_s")
+
+
+def test_smoke_every_op_without_mpi(tmp_path):
+    proc = _run(["--sizes", "64", "--world-sizes", "2", "--no-mpi", "--repeats", "1", "--sample-time", "0.005",
+                 "--warmup", "1"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"):
+        assert f"{op}, 2 ranks" in proc.stdout
+
+
+def test_core_overhead_mode(tmp_path):
+    proc = _run(["--core-overhead", "--iters", "200", "--repeats", "2"], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "core's own cost" in proc.stdout
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tdist.bench.plot import plot
+
+    rows = annotate([{"world": 2, "op": "all_reduce", "bytes": n, "backend": b, "time_s": t}
+                     for n in (4, 1024, 1 << 20) for b, t in (("tcp", 1e-5), ("gloo", 3e-4))])
+    path = tmp_path / "busbw.png"
+    plot(str(path), rows, ["tcp", "gloo"])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_helpers(tmp_path):
+    assert bus_factor("all_reduce", 4) == 1.5
+    assert bus_factor("all_gather", 4) == 0.75 and bus_factor("reduce_scatter", 2) == 0.5
+    assert bus_factor("all_to_all", 4) == 0.75 and bus_factor("broadcast", 4) == 1.0
+    rows = annotate([{"world": 2, "op": "all_reduce", "bytes": 1 << 20, "backend": "tcp", "time_s": 1e-3},
+                     {"world": 2, "op": "all_reduce", "bytes": 1 << 20, "backend": "gloo", "time_s": 4e-3}])
+    assert rows[0]["busbw_GBps"] == pytest.approx((1 << 20) / 1e-3 / 1e9)
+    text = table(rows, ["tcp", "gloo"])
+    assert "1 MiB" in text and "0.25x" in text
+    write_csv(str(tmp_path / "x.csv"), rows)
+    assert parse_size("256K") == 256 << 10 and parse_size("4MiB") == 4 << 20 and parse_size("4") == 4
+    assert default_sizes(4, 64, 4) == [4, 16, 64]
