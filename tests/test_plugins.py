@@ -91,3 +91,38 @@ def test_builtin_rendezvous_registered_through_entry_points():
 def test_info_lists_backends_and_table():
     out = subprocess.run([sys.executable, "-m", "tdist", "info"], capture_output=True, text=True, check=True).stdout
     assert "tcp" in out and "all_reduce" in out and "env://" in out
+
+
+def test_work_hooks_observe_issue_and_completion():
+    import types
+    from datetime import timedelta
+
+    import torch
+
+    from tdist._plugins import plugins, reset_plugins
+
+    seen: list = []
+    observer = types.ModuleType("observer")
+    observer.TDIST_HOOKSPEC_VERSION = "1.0"
+
+    @tdist.hookimpl
+    def tdist_work_issued(info):
+        seen.append(("issued", info.op, info.shapes, info.nbytes))
+
+    @tdist.hookimpl
+    def tdist_work_completed(info, duration):
+        seen.append(("completed", info.op, duration >= 0))
+
+    observer.tdist_work_issued = tdist_work_issued
+    observer.tdist_work_completed = tdist_work_completed
+    reset_plugins()
+    try:
+        plugins().register(observer, "observer")
+        tdist.init_process_group("tcp", store=tdist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=10))
+        try:
+            tdist.all_reduce(torch.ones(2, 3))
+        finally:
+            tdist.destroy_process_group()
+    finally:
+        reset_plugins()
+    assert seen == [("issued", "all_reduce", [(2, 3)], 24), ("completed", "all_reduce", True)]

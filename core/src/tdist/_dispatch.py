@@ -94,6 +94,18 @@ def contiguous_view(
     return staged
 
 
+def _describe(pg: ProcessGroup, operation: str, seq: int, tensors: Sequence["torch.Tensor"]) -> WorkInfo:
+    return WorkInfo(
+        op=operation,
+        group=pg.name,
+        seq=seq,
+        shapes=[tuple(t.shape) for t in tensors],
+        dtype=str(tensors[0].dtype) if tensors else "",
+        nbytes=sum(t.numel() * t.element_size() for t in tensors),
+        backend=pg.backend_name,
+    )
+
+
 def _observe(work: Work, info: WorkInfo) -> None:
     hooks = plugins()
     hooks.work_issued(info)
@@ -124,24 +136,14 @@ def issue(
     """
     backend = pg.backend_for(device, operation)
     seq = pg.next_seq()
+    info = _describe(pg, operation, seq, tensors) if plugins().observes_work else None
     work = call(backend)
     if not isinstance(work, Work):
         raise DistError(f"{operation}: backend {pg.backend_name!r} returned {type(work).__name__}, not a tdist.Work")
     if copies:
         work = StagedWork(work, list(copies))
-    if plugins().observes_work:
-        _observe(
-            work,
-            WorkInfo(
-                op=operation,
-                group=pg.name,
-                seq=seq,
-                shapes=[tuple(t.shape) for t in tensors],
-                dtype=str(tensors[0].dtype) if tensors else "",
-                nbytes=sum(t.numel() * t.element_size() for t in tensors),
-                backend=pg.backend_name,
-            ),
-        )
+    if info is not None:
+        _observe(work, info)
     if async_op:
         return work
     work.wait()

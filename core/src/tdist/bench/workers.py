@@ -15,6 +15,8 @@ result file named in the configuration.
 
 from __future__ import annotations
 
+import abc
+
 import json
 import os
 import statistics
@@ -56,17 +58,19 @@ def _elements(op: str, nbytes: int, world: int, itemsize: int) -> int:
     return n
 
 
-class Adapter:
+class Adapter(abc.ABC):
     """One backend under test: ``prepare(op, nbytes)`` returns a zero-argument callable
     doing one call of the operation on preallocated buffers, and a checker."""
 
     name = "?"
 
+    @abc.abstractmethod
     def barrier(self) -> None:
-        raise NotImplementedError
+        """Synchronise the ranks of this backend."""
 
+    @abc.abstractmethod
     def prepare(self, op: str, nbytes: int) -> tuple[Callable[[], Any], Callable[[], Optional[str]]]:
-        raise NotImplementedError
+        """Allocate buffers for ``op`` at ``nbytes``; return (one call, checker)."""
 
     def close(self) -> None:
         pass
