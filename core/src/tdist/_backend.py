@@ -23,8 +23,6 @@ from ._work import Work
 if TYPE_CHECKING:
     import torch
 
-    from ._store.base import Store
-
 __all__ = ["Backend", "BackendSpec", "BackendFactory", "OPERATIONS", "ANY_SOURCE_OP"]
 
 #: The operation names a :class:`BackendSpec` may declare per device type.

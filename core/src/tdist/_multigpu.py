@@ -29,8 +29,9 @@ _SUM = Reduction(ReduceOp.SUM)
 
 
 def _native(pg: Any, name: str, device: str) -> Any:
-    backend = pg.backend_for(device, name.replace("_multigpu", ""))
-    return getattr(backend, name, None)
+    """The backend's own ``name`` method for ``device`` tensors, or None (compose instead).
+    Support is checked once, by ``issue`` or by the composed collective."""
+    return getattr(pg.backends.get(device), name, None)
 
 
 def _done(async_op: bool, op: str) -> Optional[Work]:

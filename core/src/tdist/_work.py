@@ -9,7 +9,6 @@ and overrides :meth:`_wait_impl` / :meth:`is_completed`.
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -155,8 +154,3 @@ class Work:
         state = "pending" if not self.is_completed() else ("failed" if self._exc else "done")
         return f"<Work {self.op} {state}>"
 
-
-def wait_all(works: Sequence[Work], deadline: Optional[float] = None) -> None:
-    """Wait for every work in order, sharing one deadline (``time.monotonic()`` based)."""
-    for work in works:
-        work.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))

@@ -163,7 +163,7 @@ def launch(args: argparse.Namespace) -> int:
     (when called from the main thread) and restores the previous ones after.
     """
     if args.master_port is None:
-        args.master_port = free_port() if args.nnodes == 1 else DEFAULT_MASTER_PORT
+        args.master_port = free_port("") if args.nnodes == 1 else DEFAULT_MASTER_PORT
     group = WorkerGroup(worker_specs(args), prefix=not args.no_prefix, grace_period=args.grace_period)
     previous: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():

@@ -14,7 +14,6 @@ import ctypes
 import ctypes.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,16 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Callable, Optional, Sequence
 
+from .._local import free_port
+
 __all__ = ["WorkerSpec", "Worker", "WorkerGroup", "free_port", "exit_status", "describe_status", "group_members"]
 
 _POLL_INTERVAL = 0.02
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port that nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def exit_status(returncode: int) -> int:

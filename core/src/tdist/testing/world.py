@@ -37,6 +37,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
+from .._local import find_mpirun, free_port
 from ._common import (
     BACKEND_ENV,
     CONTROLLER_ENV,
@@ -154,21 +155,6 @@ class RankFailure:
 
 def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in text.splitlines())
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def find_mpirun() -> Optional[str]:
-    """The ``mpirun`` next to ``sys.executable`` if there is one, else the one on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    if os.access(here, os.X_OK):
-        return here
-    return shutil.which("mpirun")
 
 
 _LIVE: "weakref.WeakSet[World]" = weakref.WeakSet()
