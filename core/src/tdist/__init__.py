@@ -12,6 +12,7 @@ from ._backend import ANY_SOURCE_OP, OPERATIONS, Backend, BackendSpec
 from ._collectives import (
     all_gather,
     all_gather_into_tensor,
+    all_gather_single,
     all_reduce,
     all_to_all,
     all_to_all_single,
@@ -21,9 +22,12 @@ from ._collectives import (
     monitored_barrier,
     reduce,
     reduce_scatter,
+    reduce_scatter_single,
     reduce_scatter_tensor,
     scatter,
 )
+from ._coalesced import all_gather_coalesced, all_reduce_coalesced
+from ._environment import get_node_local_rank, is_torchelastic_launched
 from ._errors import (
     DistBackendError,
     DistBackendTimeoutError,
@@ -49,9 +53,14 @@ from ._init import (
     default_pg_timeout,
     destroy_process_group,
     get_backend_spec,
+    get_default_backend_for_device,
+    get_pg_count,
     init_process_group,
     is_available,
     is_backend_available,
+    is_gloo_available,
+    is_mpi_available,
+    is_nccl_available,
     new_group,
 )
 from ._multigpu import all_gather_multigpu, all_reduce_multigpu, broadcast_multigpu, reduce_multigpu
@@ -64,8 +73,9 @@ from ._objects import (
     send_object_list,
 )
 from ._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from ._reduce_op import ReduceOp, Reduction, make_premul_sum, reduce_op
+from ._reduce_op import ReduceOp, Reduction, make_premul_sum, reduce_op, supports_complex
 from ._store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from ._subgroups import new_subgroups, new_subgroups_by_enumeration
 from ._work import Work
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
 
@@ -77,22 +87,25 @@ _make_nccl_premul_sum = make_premul_sum
 __all__ = [
     # setup
     "init_process_group", "destroy_process_group", "is_initialized", "is_available", "is_backend_available",
-    "available_backends", "get_backend_spec", "default_pg_timeout", "new_group",
+    "available_backends", "get_backend_spec", "default_pg_timeout", "new_group", "is_gloo_available",
+    "is_mpi_available", "is_nccl_available", "get_default_backend_for_device",
     # groups and ranks
     "ProcessGroup", "GroupMember", "group", "get_rank", "get_world_size", "get_backend", "get_global_rank",
-    "get_group_rank", "get_process_group_ranks",
+    "get_group_rank", "get_process_group_ranks", "new_subgroups", "new_subgroups_by_enumeration", "get_pg_count",
+    "get_node_local_rank", "is_torchelastic_launched",
     # point-to-point
     "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv",
     # collectives
     "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+    "all_gather_single", "reduce_scatter_single", "all_reduce_coalesced", "all_gather_coalesced",
     # multi-GPU collectives
     "broadcast_multigpu", "all_reduce_multigpu", "reduce_multigpu", "all_gather_multigpu",
     # object collectives
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list", "send_object_list",
     "recv_object_list",
     # reductions and work
-    "ReduceOp", "reduce_op", "Reduction", "make_premul_sum", "Work",
+    "ReduceOp", "reduce_op", "Reduction", "make_premul_sum", "supports_complex", "Work",
     # stores
     "Store", "TCPStore", "FileStore", "HashStore", "PrefixStore",
     # errors

@@ -34,6 +34,8 @@ __all__ = [
     "scatter",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "all_gather_single",
+    "reduce_scatter_single",
     "all_to_all",
     "all_to_all_single",
     "barrier",
@@ -264,13 +266,25 @@ def all_to_all_single(
     )
 
 
-def barrier(group: Any = None, async_op: bool = False, device_ids: Optional[list[int]] = None) -> Optional[Work]:
-    """Block until every rank of the group has entered the barrier."""
+def barrier(
+    group: Any = None, async_op: bool = False, device_ids: Optional[list[int]] = None,
+    timeout: Optional[timedelta] = None,
+) -> Optional[Work]:
+    """Block until every rank of the group has entered the barrier. ``timeout`` (blocking
+    calls only) bounds the wait instead of the group's timeout: past it, a
+    :class:`DistBackendTimeoutError`."""
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"barrier: timeout must be a datetime.timedelta, got {type(timeout).__name__}")
     pg = resolve_group(group)
     if pg is None:
         return warn_not_member("barrier")
     device = "cuda" if device_ids else ("cpu" if "cpu" in pg.backends else next(iter(pg.backends)))
-    return issue(pg, "barrier", device, lambda b: b.barrier(), async_op)
+    work = issue(pg, "barrier", device, lambda b: b.barrier(), async_op=True)
+    assert work is not None
+    if async_op:
+        return work
+    work.wait(timeout)
+    return None
 
 
 def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False) -> None:
@@ -314,3 +328,8 @@ def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None, wa
         raise DistBackendTimeoutError(message)
     store.set(f"{key}/release", b"ok")
     return None
+
+
+#: torch.distributed's other names for the single-tensor forms.
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor

@@ -1,6 +1,6 @@
 """Process groups: :class:`ProcessGroup`, the process-wide state, and rank queries.
 
-A group is a sorted list of global ranks plus one backend instance per device
+A group is a list of global ranks (in group-rank order) plus one backend instance per device
 type (``"cpu"``, ``"cuda"``). Group ranks are indices into that list.
 """
 
@@ -36,7 +36,8 @@ __all__ = [
 class ProcessGroup:
     """A set of ranks and the backends that connect them.
 
-    ``ranks`` are the sorted global ranks; ``rank`` is this process's index in
+    ``ranks`` are the global ranks in group-rank order (sorted unless created with
+    ``sort_ranks=False``); ``rank`` is this process's index in
     them. ``backends`` maps device type to the backend serving it, and ``specs``
     to the :class:`BackendSpec` it came from (for capability checks).
     """

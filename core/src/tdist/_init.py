@@ -24,6 +24,11 @@ __all__ = [
     "available_backends",
     "get_backend_spec",
     "default_pg_timeout",
+    "is_gloo_available",
+    "is_mpi_available",
+    "is_nccl_available",
+    "get_default_backend_for_device",
+    "get_pg_count",
 ]
 
 #: Default timeout of every blocking operation, as in torch.distributed.
@@ -45,9 +50,9 @@ def get_backend_spec(name: str) -> BackendSpec:
     return spec
 
 
-def is_backend_available(name: str) -> bool:
-    """Whether backend ``name`` is installed and usable on this machine."""
-    spec = plugins().backends.get(name)
+def is_backend_available(backend: str) -> bool:
+    """Whether ``backend`` (a name) is installed and usable on this machine."""
+    spec = plugins().backends.get(backend)
     return spec is not None and spec.available is None
 
 
@@ -56,20 +61,59 @@ def available_backends() -> list[str]:
     return [spec.name for spec in plugins().backends.specs() if spec.available is None]
 
 
+def is_gloo_available() -> bool:
+    """torch.distributed's spelling of ``is_backend_available("gloo")``."""
+    return is_backend_available("gloo")
+
+
+def is_mpi_available() -> bool:
+    """torch.distributed's spelling of ``is_backend_available("mpi")``."""
+    return is_backend_available("mpi")
+
+
+def is_nccl_available() -> bool:
+    """torch.distributed's spelling of ``is_backend_available("nccl")``."""
+    return is_backend_available("nccl")
+
+
+def get_default_backend_for_device(device: Any) -> str:
+    """The backend ``init_process_group()`` without a backend uses for ``device``'s tensors
+    (``"cpu"``, ``"cuda:1"`` or a ``torch.device``): a plugin's ``tdist_default_backend``
+    choice, else for CPU the first available of tcp, gloo, mpi, else the first available
+    backend serving that device type (in name order); a ValueError when there is none."""
+    kind = device.type if hasattr(device, "type") else str(device).partition(":")[0]
+    preferred = plugins().default_backend(kind)
+    if preferred:
+        return preferred
+    candidates = _PREFERRED_CPU_BACKENDS if kind == "cpu" else ()
+    serving = [spec.name for spec in plugins().backends.specs() if kind in spec.devices]
+    for name in [*candidates, *sorted(serving)]:
+        if is_backend_available(name) and kind in get_backend_spec(name).devices:
+            return name
+    raise ValueError(
+        f"no available backend serves {kind} tensors (installed: {', '.join(plugins().backends.names()) or 'none'})"
+    )
+
+
+def get_pg_count() -> int:
+    """How many process groups this process has created since ``init_process_group``, the
+    default group and every ``new_group`` call (members or not) included; 0 before init."""
+    return 0 if STATE.world is None else STATE.group_count + 1
+
+
 def _parse_backend(backend: Optional[str]) -> tuple[str, dict[str, str]]:
     """``"tcp"`` or ``"cpu:tcp,cuda:nccl"`` -> (display name, {device: backend name}).
 
     A plain name serves every device its spec declares.
     """
     if backend is None:
-        preferred = plugins().default_backend("cpu")
-        names = [preferred] if preferred else [n for n in _PREFERRED_CPU_BACKENDS if is_backend_available(n)]
-        if not names:
+        try:
+            backend = get_default_backend_for_device("cpu")
+        except ValueError:
             raise DistError(
                 "init_process_group: no backend given and no default backend is available "
                 f"(installed: {', '.join(plugins().backends.names()) or 'none'}); pip install tdist-tcp"
-            )
-        backend = names[0]
+            ) from None
     if not isinstance(backend, str) or not backend:
         raise ValueError(f"backend must be a non-empty string, got {backend!r}")
     backend = backend.lower()
@@ -252,16 +296,21 @@ def new_group(
     pg_options: Optional[dict[str, Any]] = None,
     use_local_synchronization: bool = False,
     group_desc: Optional[str] = None,
+    device_id: Any = None,
+    sort_ranks: bool = True,
 ) -> Any:
     """Create a group of the global ``ranks`` (default: all). Every rank of the world
     must call ``new_group`` in the same order, members or not; non-members get
-    ``GroupMember.NON_GROUP_MEMBER``. ``backend`` defaults to the world's."""
+    ``GroupMember.NON_GROUP_MEMBER``. ``backend`` defaults to the world's; ``device_id``
+    is passed to the backends as ``pg_options["device_id"]``, as for init_process_group.
+    Group ranks follow the global ranks' order; with ``sort_ranks=False`` they follow
+    the order of ``ranks`` instead (``ranks[i]`` is group rank ``i``)."""
     world = resolve_group(None)
     assert world is not None and STATE.store is not None
     if ranks is None:
         members = list(range(world.size))
     else:
-        members = sorted(ranks)
+        members = sorted(ranks) if sort_ranks else list(ranks)
         if len(set(members)) != len(members):
             raise ValueError(f"new_group: ranks contain duplicates: {list(ranks)}")
         bad = [r for r in members if not isinstance(r, int) or not 0 <= r < world.size]
@@ -277,6 +326,8 @@ def new_group(
     display, devices = _parse_backend(backend) if backend else (world.backend_name, _same_devices(world))
     join(STATE.store, f"tdist/{name}", world.rank, members, timeout)
     options = {**STATE.options, **(pg_options or {})}
+    if device_id is not None:
+        options["device_id"] = device_id
     pg = _build_group(name, members, world.rank, devices, display, STATE.store, timeout, options)
     STATE.groups.append(pg)
     return pg

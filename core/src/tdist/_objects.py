@@ -16,6 +16,7 @@ from typing import Any, Optional
 from . import _collectives as coll
 from . import _p2p as p2p
 from ._groups import ProcessGroup, resolve_group, warn_not_member
+from ._validate import peer_rank
 
 __all__ = [
     "broadcast_object_list",
@@ -97,14 +98,15 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
 
 
 def gather_object(obj: Any, object_gather_list: Optional[list[Any]] = None, dst: Optional[int] = None,
-                  group: Any = None) -> None:
-    """On rank ``dst`` (default 0), ``object_gather_list[i]`` receives rank i's ``obj``."""
+                  group: Any = None, group_dst: Optional[int] = None) -> None:
+    """On rank ``dst`` (default: the group's first; or group rank ``group_dst``),
+    ``object_gather_list[i]`` receives rank i's ``obj``."""
     pg = resolve_group(group)
     if pg is None:
         return warn_not_member("gather_object")
+    root = peer_rank("gather_object", pg, "dst", dst, group_dst, default=0)
     gathered: list[Any] = [None] * pg.size
     all_gather_object(gathered, obj, group=group)
-    root = pg.group_rank(dst if dst is not None else pg.ranks[0], "dst")
     if pg.rank == root:
         if object_gather_list is None or len(object_gather_list) != pg.size:
             raise ValueError(f"gather_object: object_gather_list must have {pg.size} items on the destination rank")
@@ -113,14 +115,15 @@ def gather_object(obj: Any, object_gather_list: Optional[list[Any]] = None, dst:
 
 
 def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: Optional[list[Any]] = None,
-                        src: Optional[int] = None, group: Any = None) -> None:
-    """``scatter_object_output_list[0]`` receives item i of rank ``src``'s input list on rank i."""
+                        src: Optional[int] = None, group: Any = None, group_src: Optional[int] = None) -> None:
+    """``scatter_object_output_list[0]`` receives item i of rank ``src``'s input list on rank i
+    (``src`` default: the group's first; or group rank ``group_src``)."""
     pg = resolve_group(group)
     if pg is None:
         return warn_not_member("scatter_object_list")
     if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
         raise ValueError("scatter_object_list: scatter_object_output_list must be a non-empty list")
-    root = pg.group_rank(src if src is not None else pg.ranks[0], "src")
+    root = peer_rank("scatter_object_list", pg, "src", src, group_src, default=0)
     items: list[Any] = list(scatter_object_input_list or []) if pg.rank == root else [None] * pg.size
     if pg.rank == root and len(items) != pg.size:
         raise ValueError(f"scatter_object_list: the source needs {pg.size} input objects, got {len(items)}")
@@ -129,12 +132,17 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     return None
 
 
-def send_object_list(object_list: list[Any], dst: int, group: Any = None) -> None:
-    """Send the objects of ``object_list`` to rank ``dst`` (see :func:`recv_object_list`)."""
+def send_object_list(object_list: list[Any], dst: Optional[int] = None, group: Any = None, device: Any = None,
+                     group_dst: Optional[int] = None, use_batch: bool = False) -> None:
+    """Send the objects of ``object_list`` to rank ``dst`` (or group rank ``group_dst``), as
+    tensors on ``device`` (default: CPU when the group serves it); see :func:`recv_object_list`.
+    ``use_batch`` is accepted for torch compatibility: the two messages (sizes, then the
+    pickled bytes) are sent in order either way."""
     pg = resolve_group(group)
     if pg is None:
         return warn_not_member("send_object_list")
-    device = _device(pg)
+    dst = pg.ranks[peer_rank("send_object_list", pg, "dst", dst, group_dst, allow_self=False)]
+    device = device or _device(pg)
     payloads = [_encode(obj, device) for obj in object_list]
     sizes = _sizes(len(object_list), device)
     for i, payload in enumerate(payloads):
@@ -145,16 +153,20 @@ def send_object_list(object_list: list[Any], dst: int, group: Any = None) -> Non
     p2p.send(torch.cat(payloads) if payloads else sizes.new_empty(0, dtype=torch.uint8), dst, group=group)
 
 
-def recv_object_list(object_list: list[Any], src: Optional[int] = None, group: Any = None) -> int:
-    """Fill ``object_list`` (same length as the sender's) with objects sent by ``src``
-    (None: any rank); returns the sender's rank."""
+def recv_object_list(object_list: list[Any], src: Optional[int] = None, group: Any = None, device: Any = None,
+                     group_src: Optional[int] = None, use_batch: bool = False) -> int:
+    """Fill ``object_list`` (same length as the sender's) with objects sent by ``src`` (or
+    group rank ``group_src``; neither: any rank); returns the sender's global rank.
+    ``device`` and ``use_batch`` as in :func:`send_object_list`."""
     pg = resolve_group(group)
     if pg is None:
         warn_not_member("recv_object_list")
         return -1
     import torch
 
-    device = _device(pg)
+    if group_src is not None or src is not None:
+        src = pg.ranks[peer_rank("recv_object_list", pg, "src", src, group_src, allow_self=False)]
+    device = device or _device(pg)
     sizes = _sizes(len(object_list), device)
     sender = p2p.recv(sizes, src, group=group)
     flat = torch.empty(int(sizes.sum()), dtype=torch.uint8, device=device)

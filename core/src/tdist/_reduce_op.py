@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Union
 
-__all__ = ["ReduceOp", "Reduction", "reduce_op", "make_premul_sum", "as_reduction"]
+__all__ = ["ReduceOp", "Reduction", "reduce_op", "make_premul_sum", "as_reduction", "supports_complex"]
 
 
 class ReduceOp(enum.Enum):
@@ -93,3 +93,11 @@ class _DeprecatedReduceOp:
 
 
 reduce_op = _DeprecatedReduceOp()
+
+
+def supports_complex(reduceOp: Any) -> bool:
+    """Whether ``reduceOp`` can reduce complex tensors (not MIN, MAX, PRODUCT or a bitwise op)."""
+    code = reduceOp if isinstance(reduceOp, ReduceOp) else as_reduction(reduceOp).op
+    return code not in (
+        ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR,
+    )

@@ -5,9 +5,10 @@ and no CuPy. Nothing tested with them proves that real NCCL or CUDA behaves this
 the tests marked ``gpu`` (test_nccl_gpu.py) are the real check. ***
 
 :class:`FakeNccl` mimics the Python surface of ``cupy.cuda.nccl`` (constants,
-``get_unique_id``, ``groupStart``/``groupEnd``, ``NcclCommunicator`` and its methods),
-logs every call, and -- so that pointer arithmetic and reduction plans can be checked
--- carries the data out on *host* memory: the "device pointers" it receives are the
+``get_unique_id``, ``groupStart``/``groupEnd``, ``NcclCommunicator`` and its methods) of
+either CuPy generation (``unique_id=bytes``: CuPy >= 14; ``unique_id=tuple``: a tuple of
+signed ``char`` values, before 14), logs every call, and -- so that pointer arithmetic
+and reduction plans can be checked -- carries the data out on *host* memory: the "device pointers" it receives are the
 ``data_ptr()`` of CPU tensors, read and written with ctypes. Ranks are threads of one
 process; collectives of one communicator clique meet in a shared :class:`_Fabric`.
 Inside groupStart/groupEnd calls are deferred to groupEnd, like NCCL's group semantics.
@@ -15,6 +16,13 @@ Inside groupStart/groupEnd calls are deferred to groupEnd, like NCCL's group sem
 :class:`FakeCuda` replaces :class:`tdist_nccl.cuda.TorchCuda`: a tensor's "device" is
 its ``fake_device`` attribute (default 0), streams are integers, events are done at once
 (or never, for timeout tests).
+
+With ``binding=`` the real ``cupy.cuda.nccl`` module (CuPy and libnccl installed, no GPU
+needed), every call is *also* passed to the real Cython binding first -- the constructor,
+``initAll`` and each method on a communicator whose NCCL handle is NULL -- and must come
+back as an ``NcclError`` from NCCL (no CUDA device / invalid argument), not as a
+``TypeError`` or ``OverflowError`` from converting the arguments. That checks the backend's
+calls against CuPy's real signatures and argument types; it still runs no NCCL operation.
 """
 
 from __future__ import annotations
@@ -106,12 +114,56 @@ class _Fabric:
             return self.mail[(src, dst)].popleft()
 
 
+class RealBinding:
+    """The real ``cupy.cuda.nccl``, used only to convert arguments (see the module docstring)."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.null = module.NcclCommunicator.__new__(module.NcclCommunicator)  # NCCL handle NULL
+
+    def check(self, call: str, fn: Any, *args: Any, convert_errors: bool = False) -> None:
+        """``fn(*args)`` must fail inside NCCL (NcclError), i.e. after CuPy accepted the arguments.
+        With ``convert_errors`` CuPy's own refusal (TypeError, OverflowError) is raised as it
+        is, as the real call would (the backend offers a unique id in another form then)."""
+        try:
+            fn(*args)
+        except self.module.NcclError:
+            return
+        except Exception as exc:
+            if convert_errors and isinstance(exc, (TypeError, OverflowError)):
+                raise
+            raise AssertionError(f"the real cupy.cuda.nccl refused {call}{args!r}: {type(exc).__name__}: {exc}") from exc
+        raise AssertionError(f"the real cupy.cuda.nccl ran {call}{args!r} on a NULL communicator")
+
+    def method(self, name: str, *args: Any) -> None:
+        self.check(f"NcclCommunicator.{name}", getattr(self.null, name), *args)
+
+    def has(self, owner: Any, name: str) -> None:
+        """For calls not worth running on NULL (groupStart, destroy): they must exist."""
+        assert callable(getattr(owner, name, None)), f"the real cupy.cuda.nccl has no {name}()"
+
+
 class FakeNccl(types.ModuleType):
     """A stand-in ``cupy.cuda.nccl`` module (see the module docstring)."""
 
-    def __init__(self, version: int = 21803, bfloat16: bool = True, avg: bool = True) -> None:
+    #: what a FakeNccl() gets when not told: ``unique_id`` (bytes or tuple) and ``binding``
+    #: (a RealBinding or None); test_nccl_fake.py runs every test under each CuPy form.
+    defaults: dict[str, Any] = {"unique_id": bytes, "binding": None}
+
+    def __init__(
+        self,
+        version: int = 21803,
+        bfloat16: bool = True,
+        avg: bool = True,
+        unique_id: Optional[type] = None,
+        binding: Optional[RealBinding] = None,
+    ) -> None:
         super().__init__("cupy.cuda.nccl")
+        self.unique_id_type = unique_id or FakeNccl.defaults["unique_id"]
+        self.binding = binding or FakeNccl.defaults["binding"]
         for name, value in CONSTANTS.items():
+            if self.binding is not None:
+                assert getattr(self.binding.module, name) == value, f"the real {name} differs from the fake's"
             setattr(self, name, value)
         if not bfloat16:
             del self.NCCL_BFLOAT16
@@ -129,13 +181,19 @@ class FakeNccl(types.ModuleType):
         nccl = self
 
         class NcclCommunicator(FakeCommunicator):
-            def __init__(self, ndev: int, commId: tuple, rank: int) -> None:
-                super().__init__(nccl, ndev, commId, rank)
+            def __init__(self, ndev: int, commId: Any, rank: int) -> None:
+                if nccl.binding is not None:
+                    nccl.binding.check(
+                        "NcclCommunicator", nccl.binding.module.NcclCommunicator, ndev, commId, rank, convert_errors=True
+                    )
+                super().__init__(nccl, ndev, nccl.convert_unique_id(commId), rank)
 
             @staticmethod
             def initAll(devices: Any) -> list[FakeCommunicator]:
+                if nccl.binding is not None:
+                    nccl.binding.check("NcclCommunicator.initAll", nccl.binding.module.NcclCommunicator.initAll, devices)
                 devs = list(range(devices)) if isinstance(devices, int) else list(devices)
-                uid = nccl.get_unique_id()
+                uid = nccl.convert_unique_id(nccl.get_unique_id())
                 nccl.record("initAll", tuple(devs))
                 return [FakeCommunicator(nccl, len(devs), uid, r, device=d) for r, d in enumerate(devs)]
 
@@ -153,26 +211,47 @@ class FakeNccl(types.ModuleType):
     def get_build_version(self) -> int:
         return self._version
 
-    def get_unique_id(self) -> tuple:
+    def get_unique_id(self) -> Any:
         n = next(self._ids)
-        # signed char values, negative ones included, as CuPy returns them on x86
-        return tuple(((n * 37 + i * 11) % 256) - 128 for i in range(128))
+        raw = bytes((n * 37 + i * 11) % 256 for i in range(128))
+        if self.unique_id_type is bytes:
+            return raw
+        # signed char values, negative ones included, as CuPy before 14 returns them on x86
+        return tuple(b - 256 if b > 127 else b for b in raw)
 
-    def fabric(self, uid: tuple, size: int) -> _Fabric:
+    def convert_unique_id(self, comm_id: Any) -> bytes:
+        """The id's bytes, converting ``comm_id`` the way this CuPy generation's Cython does."""
+        if not isinstance(comm_id, self.unique_id_type):
+            raise TypeError(
+                f"Argument 'commId' has incorrect type (expected {self.unique_id_type.__name__}, "
+                f"got {type(comm_id).__name__})"
+            )
+        assert len(comm_id) == 128, "an NCCL unique id has 128 chars"
+        if isinstance(comm_id, bytes):
+            return comm_id
+        if any(not -128 <= v <= 127 for v in comm_id):
+            raise OverflowError("value too large to convert to char")
+        return bytes(v & 0xFF for v in comm_id)
+
+    def fabric(self, uid: bytes, size: int) -> _Fabric:
         with self._log_lock:
-            return self._fabrics.setdefault(tuple(uid), _Fabric(size))
+            return self._fabrics.setdefault(uid, _Fabric(size))
 
     @property
     def _deferred(self) -> Optional[list]:
         return getattr(self._local, "deferred", None)
 
     def groupStart(self) -> None:
+        if self.binding is not None:
+            self.binding.has(self.binding.module, "groupStart")
         self.record("groupStart")
         if getattr(self._local, "depth", 0) == 0:
             self._local.deferred = []
         self._local.depth = getattr(self._local, "depth", 0) + 1
 
     def groupEnd(self) -> None:
+        if self.binding is not None:
+            self.binding.has(self.binding.module, "groupEnd")
         self.record("groupEnd")
         self._local.depth -= 1
         if self._local.depth:
@@ -192,12 +271,12 @@ class FakeNccl(types.ModuleType):
 class FakeCommunicator:
     """A stand-in ``NcclCommunicator``: logs its calls, moves host memory."""
 
-    def __init__(self, nccl: FakeNccl, ndev: int, uid: tuple, rank: int, device: Optional[int] = None) -> None:
-        assert len(uid) == 128 and all(-128 <= v <= 127 for v in uid), "CuPy takes 128 signed char values"
+    def __init__(self, nccl: FakeNccl, ndev: int, uid: bytes, rank: int, device: Optional[int] = None) -> None:
+        assert isinstance(uid, bytes) and len(uid) == 128
         assert 0 <= rank < ndev
         self.nccl = nccl
         self.ndev = ndev
-        self.uid = tuple(uid)
+        self.uid = uid
         self.rank = rank
         self.device = device if device is not None else FakeCuda.current.get(threading.current_thread().name, 0)
         self.fabric = nccl.fabric(self.uid, ndev)
@@ -215,6 +294,8 @@ class FakeCommunicator:
         return self.device
 
     def destroy(self) -> None:
+        if self.nccl.binding is not None:
+            self.nccl.binding.has(self.nccl.binding.null, "destroy")
         self.destroyed = True
         self.nccl.record("destroy", self.rank)
 
@@ -230,11 +311,18 @@ class FakeCommunicator:
 
         self.nccl.run(start)
 
+    def _real(self, name: str, *args: Any) -> None:
+        """With a real binding, the call must get past CuPy's argument conversion."""
+        if self.nccl.binding is not None:
+            self.nccl.binding.method(name, *args)
+
     def allReduce(self, send: int, recv: int, count: int, dtype: int, op: int, stream: int) -> None:
+        self._real("allReduce", send, recv, count, dtype, op, stream)
         self._collective("allReduce", lambda: _read(send, count, dtype),
                          lambda vals: _write(recv, _reduce(vals, op)), count, dtype, op, stream)
 
     def reduce(self, send: int, recv: int, count: int, dtype: int, op: int, root: int, stream: int) -> None:
+        self._real("reduce", send, recv, count, dtype, op, root, stream)
         def finish(vals: list) -> None:
             if self.rank == root:
                 _write(recv, _reduce(vals, op))
@@ -242,17 +330,21 @@ class FakeCommunicator:
         self._collective("reduce", lambda: _read(send, count, dtype), finish, count, dtype, op, root, stream)
 
     def broadcast(self, send: int, recv: int, count: int, dtype: int, root: int, stream: int) -> None:
+        self._real("broadcast", send, recv, count, dtype, root, stream)
         self._collective("broadcast", lambda: _read(send, count, dtype) if self.rank == root else None,
                          lambda vals: _write(recv, vals[root]), count, dtype, root, stream)
 
     def bcast(self, buff: int, count: int, dtype: int, root: int, stream: int) -> None:
+        self._real("bcast", buff, count, dtype, root, stream)
         self.broadcast(buff, buff, count, dtype, root, stream)
 
     def allGather(self, send: int, recv: int, count: int, dtype: int, stream: int) -> None:
+        self._real("allGather", send, recv, count, dtype, stream)
         self._collective("allGather", lambda: _read(send, count, dtype),
                          lambda vals: _write(recv, torch.cat(vals)), count, dtype, stream)
 
     def reduceScatter(self, send: int, recv: int, count: int, dtype: int, op: int, stream: int) -> None:
+        self._real("reduceScatter", send, recv, count, dtype, op, stream)
         def finish(vals: list) -> None:
             _write(recv, _reduce(vals, op)[self.rank * count:(self.rank + 1) * count])
 
@@ -261,6 +353,7 @@ class FakeCommunicator:
 
     # ------------------------------------------------------------ point-to-point
     def send(self, buf: int, count: int, dtype: int, peer: int, stream: int) -> None:
+        self._real("send", buf, count, dtype, peer, stream)
         self.nccl.record("send", self.rank, peer, count, dtype, stream)
 
         def start() -> Any:
@@ -270,6 +363,7 @@ class FakeCommunicator:
         self.nccl.run(start)
 
     def recv(self, buf: int, count: int, dtype: int, peer: int, stream: int) -> None:
+        self._real("recv", buf, count, dtype, peer, stream)
         self.nccl.record("recv", self.rank, peer, count, dtype, stream)
 
         def start() -> Any:

@@ -6,6 +6,11 @@ backend issues (group calls, peers, NCCL ranks, roots, counts, type/op codes) an
 host-side bookkeeping (pointer offsets, staging, AVG/PREMUL_SUM handling, Work
 semantics), with "device memory" being CPU tensors read and written by the fake. They
 prove nothing about real NCCL, CUDA streams or CuPy: test_nccl_gpu.py does that. ***
+
+Every test runs three times: against the surface of CuPy >= 14 (unique ids are bytes),
+of CuPy < 14 (tuples of chars), and -- where CuPy and libnccl are installed, as
+``make test`` does -- with each call also checked by the real ``cupy.cuda.nccl``
+binding's argument conversion (see ``RealBinding``).
 """
 
 from __future__ import annotations
@@ -16,9 +21,39 @@ from typing import Any
 import pytest
 import tdist
 import torch
-from nccl_fakes import CONSTANTS, FakeCuda, FakeNccl, fake_cupy, on, run_ranks
+from nccl_fakes import CONSTANTS, FakeCuda, FakeNccl, RealBinding, fake_cupy, on, run_ranks
 from tdist import ReduceOp, Reduction, make_premul_sum
 from tdist_nccl.backend import NcclBackend, create_backend
+
+
+def _real_binding() -> RealBinding:
+    """The installed ``cupy.cuda.nccl``; skips where CuPy/libnccl is missing or a GPU is
+    present (there the real constructor would really connect: the gpu tests run instead)."""
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # CuPy warns when libnccl cannot be loaded
+            from cupy.cuda import nccl
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
+        pytest.skip(f"CuPy is not installed ({type(exc).__name__}: {exc})")
+    if not getattr(nccl, "available", False):
+        pytest.skip("CuPy is installed but cannot load libnccl (pip install nvidia-nccl-cu12)")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: test_nccl_gpu.py exercises the real binding")
+    return RealBinding(nccl)
+
+
+@pytest.fixture(autouse=True, params=["cupy14", "cupy13", "real-binding"])
+def cupy_surface(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a FakeNccl() mimics in this run (see the module docstring)."""
+    if request.param == "real-binding":
+        binding = _real_binding()
+        defaults = {"unique_id": type(binding.module.get_unique_id()), "binding": binding}
+    else:
+        defaults = {"unique_id": bytes if request.param == "cupy14" else tuple, "binding": None}
+    monkeypatch.setattr(FakeNccl, "defaults", defaults)
+
 
 U8 = CONSTANTS["NCCL_UINT8"]
 F32 = CONSTANTS["NCCL_FLOAT32"]

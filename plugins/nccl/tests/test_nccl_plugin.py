@@ -103,7 +103,8 @@ def test_init_process_group_explains_why_unavailable():
 
 
 def test_factory_without_cupy_says_how_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy", None)  # "import cupy" raises ImportError
+    for name in ("cupy", "cupy.cuda", "cupy.cuda.nccl"):  # importing them raises ImportError,
+        monkeypatch.setitem(sys.modules, name, None)  # even where the real CuPy is installed
     with pytest.raises(tdist.DistBackendError, match=r"pip install tdist-nccl\[cuda12\]"):
         create_backend(store=tdist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=5), options={})
 

@@ -6,9 +6,11 @@ The NCCL constants come from ``nccl_fakes.CONSTANTS``, a copy of CuPy's
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import tdist
@@ -62,10 +64,11 @@ def test_decode_rejects_wrong_length():
         decode_unique_id(b"\0" * 127)
 
 
-def test_share_unique_id_through_the_store():
-    nccl = FakeNccl()
+@pytest.mark.parametrize("id_type", [bytes, tuple], ids=["cupy14-bytes", "cupy13-tuple"])
+def test_share_unique_id_through_the_store(id_type):
+    nccl = FakeNccl(unique_id=id_type)
     store = tdist.HashStore()
-    got: dict[int, tuple] = {}
+    got: dict[int, bytes] = {}
 
     def rank(r: int) -> None:
         got[r] = share_unique_id(nccl, store, "nccl/unique_id", r, timedelta(seconds=10))
@@ -75,25 +78,58 @@ def test_share_unique_id_through_the_store():
         t.start()
     for t in threads:
         t.join(20)
-    assert got[0] == got[1] == got[2] and len(got[0]) == 128
-    assert store.get("nccl/unique_id") == encode_unique_id(got[0])
+    assert got[0] == got[1] == got[2] and isinstance(got[0], bytes) and len(got[0]) == 128
+    assert store.get("nccl/unique_id") == got[0]
 
 
-def test_new_communicator_retries_with_unsigned_chars():
-    seen: list[tuple] = []
+def test_encode_unique_id_takes_cupy14_bytes():
+    raw = bytes(range(128))
+    assert encode_unique_id(raw) == raw
+    assert encode_unique_id(bytearray(raw)) == raw
+    with pytest.raises(ValueError, match="128 bytes, got 3"):
+        encode_unique_id(b"abc")
 
-    class UnsignedCharCommunicator:  # CuPy on a platform whose char is unsigned
-        def __init__(self, ndev: int, uid: tuple, rank: int) -> None:
-            if min(uid) < 0:
-                raise OverflowError("can't convert negative value to char")
-            seen.append(uid)
 
-    nccl = types.SimpleNamespace(NcclCommunicator=UnsignedCharCommunicator)
-    uid = decode_unique_id(bytes(range(128, 256)))
-    import contextlib
+class _Communicator:
+    """Takes the unique id only in ``accepts`` form, converting like CuPy's Cython does."""
 
-    new_communicator(nccl, 2, uid, 1, contextlib.nullcontext)
-    assert seen == [tuple(range(128, 256))]
+    def __init__(self, accepts: str, seen: list) -> None:
+        self.accepts, self.seen = accepts, seen
+
+    def __call__(self, ndev: int, uid: Any, rank: int) -> Any:
+        if self.accepts == "bytes" and not isinstance(uid, bytes):
+            raise TypeError("Argument 'commId' has incorrect type (expected bytes, got tuple)")
+        if self.accepts != "bytes" and not isinstance(uid, tuple):
+            raise TypeError("Argument 'commId' has incorrect type (expected tuple, got bytes)")
+        if self.accepts == "unsigned" and min(uid) < 0:
+            raise OverflowError("can't convert negative value to char")
+        if self.accepts == "signed" and max(uid) > 127:
+            raise OverflowError("value too large to convert to char")
+        self.seen.append(uid)
+        return (ndev, rank)
+
+
+@pytest.mark.parametrize(
+    ("accepts", "expected"),
+    [
+        ("bytes", bytes(range(128, 256))),  # CuPy >= 14
+        ("signed", tuple(range(-128, 0))),  # CuPy < 14, char signed (x86)
+        ("unsigned", tuple(range(128, 256))),  # CuPy < 14, char unsigned (ARM, POWER)
+    ],
+)
+def test_new_communicator_offers_the_id_in_the_form_cupy_takes(accepts, expected):
+    seen: list = []
+    nccl = types.SimpleNamespace(NcclCommunicator=_Communicator(accepts, seen))
+    comm = new_communicator(nccl, 2, bytes(range(128, 256)), 1, contextlib.nullcontext)
+    assert comm == (2, 1) and seen == [expected]
+
+
+def test_new_communicator_reports_cupys_last_refusal():
+    def refuse(ndev: int, uid: Any, rank: int) -> None:
+        raise TypeError(f"refused {type(uid).__name__}")
+
+    with pytest.raises(TypeError, match="refused tuple"):
+        new_communicator(types.SimpleNamespace(NcclCommunicator=refuse), 2, bytes(128), 0, contextlib.nullcontext)
 
 
 def test_version_string():

@@ -5,6 +5,8 @@ Importing this module registers the bodies of:
 
 - :mod:`~tdist.testing.conformance_p2p` (queries, send/recv, isend/irecv, any-source, order, tags, batch)
 - :mod:`~tdist.testing.conformance_collectives` (every collective, world and subgroup, async, sizes, views)
+- :mod:`~tdist.testing.conformance_coalesced` (all_reduce/all_gather_coalesced, the ``*_single`` names)
+- :mod:`~tdist.testing.conformance_objects` (the object collectives and object send/recv)
 - :mod:`~tdist.testing.conformance_reduce` (every ReduceOp x dtype, AVG, PREMUL_SUM, invalid pairs)
 - :mod:`~tdist.testing.conformance_groups` (groups, non-members, monitored_barrier, multi-GPU names)
 - :mod:`~tdist.testing.conformance_errors` (bad arguments raise without communicating)
@@ -18,9 +20,11 @@ directly: ``World("tcp", 2).run(conformance_p2p.message_order)``.
 from __future__ import annotations
 
 from . import (  # noqa: F401  (imported for their registrations)
+    conformance_coalesced,
     conformance_collectives,
     conformance_errors,
     conformance_groups,
+    conformance_objects,
     conformance_p2p,
     conformance_reduce,
     scenarios,
@@ -37,8 +41,10 @@ __all__ = [
     "Scenario",
     "conformance_p2p",
     "conformance_collectives",
+    "conformance_coalesced",
     "conformance_reduce",
     "conformance_groups",
+    "conformance_objects",
     "conformance_errors",
     "tutorial",
     "scenarios",

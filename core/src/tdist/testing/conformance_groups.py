@@ -15,6 +15,7 @@ from .helpers import (
     cached_group,
     check_world_works,
     dist,
+    is_tdist,
     subgroup_ranks,
     value,
 )
@@ -25,6 +26,9 @@ __all__ = [
     "new_group_options",
     "overlapping_groups",
     "destroy_subgroup",
+    "subgroups",
+    "unsorted_group",
+    "barrier_timeout",
     "monitored_barrier",
     "multigpu_all_reduce",
     "multigpu_broadcast",
@@ -140,6 +144,75 @@ def destroy_subgroup():
     dist.destroy_process_group(g)
     assert_true(dist.is_initialized(), "destroying a subgroup de-initialised the default group")
     check_world_works("destroy_process_group(subgroup)")
+
+
+@body
+def subgroups():
+    """new_subgroups (consecutive blocks of ranks) and new_subgroups_by_enumeration: every
+    rank gets its own subgroup and all handles; get_pg_count counts each creation."""
+    torch = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    size = 2 if n % 2 == 0 else 1
+    count = dist.get_pg_count()
+    mine, handles = dist.new_subgroups(group_size=size)
+    assert_equal(len(handles), n // size, "number of subgroups from new_subgroups")
+    assert_equal(dist.get_pg_count(), count + n // size, "get_pg_count after new_subgroups")
+    block = list(range(r - r % size, r - r % size + size))
+    assert_equal(list(dist.get_process_group_ranks(mine)), block, "this rank's subgroup")
+    t = torch.tensor([float(r)])
+    dist.all_reduce(t, group=mine)
+    assert_tensor(t, torch.tensor([float(sum(block))]), "all_reduce in this rank's subgroup")
+    split = [[0], list(range(1, n))] if n > 1 else [[0]]
+    mine, handles = dist.new_subgroups_by_enumeration(split)
+    assert_equal(len(handles), len(split), "number of subgroups from new_subgroups_by_enumeration")
+    members = split[0] if r == 0 else split[1]
+    t = torch.ones(1)
+    dist.all_reduce(t, group=mine)
+    assert_tensor(t, torch.ones(1) * len(members), "all_reduce in an enumerated subgroup")
+    if n > 1:
+        try:
+            dist.new_subgroups(group_size=n + 1)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"new_subgroups(group_size={n + 1}) in a world of {n} did not raise ValueError")
+    check_world_works("subgroups")
+
+
+@body(min_world_size=2)
+def unsorted_group():
+    """new_group(ranks, sort_ranks=False): ``ranks[i]`` is group rank i, for rank queries,
+    group_src roots and the order of all_gather's outputs."""
+    torch = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    ranks = list(reversed(range(n)))
+    g = dist.new_group(ranks, sort_ranks=False)
+    assert_equal(dist.get_rank(g), ranks.index(r), "get_rank of an unsorted group")
+    assert_equal(list(dist.get_process_group_ranks(g)), ranks, "get_process_group_ranks of an unsorted group")
+    assert_equal(dist.get_global_rank(g, 0), n - 1, "get_global_rank(g, 0) of an unsorted group")
+    out = [torch.zeros(2) for _ in range(n)]
+    dist.all_gather(out, value(r, 2), group=g)
+    for i, m in enumerate(ranks):
+        assert_tensor(out[i], value(m, 2), f"all_gather entry {i} of an unsorted group (global rank {m})")
+    t = value(r, 3)
+    dist.broadcast(t, group=g, group_src=0)
+    assert_tensor(t, value(n - 1, 3), "broadcast from group rank 0 (global rank n-1)")
+    check_world_works("unsorted group")
+
+
+@body
+def barrier_timeout():
+    """barrier(timeout=...) completes when every rank arrives; a non-timedelta timeout is
+    refused before communicating."""
+    dist.barrier(timeout=timedelta(seconds=60))
+    if is_tdist():
+        try:
+            dist.barrier(timeout=5)
+        except TypeError:
+            pass
+        else:
+            raise AssertionError("barrier(timeout=5) accepted a number instead of a timedelta")
+    check_world_works("barrier(timeout)")
 
 
 @body(requires=("monitored_barrier",))

@@ -1,11 +1,13 @@
 """NCCL communicators: loading ``cupy.cuda.nccl``, the unique id and its store encoding,
 and creating one communicator (one device) or a clique of them (several local devices).
 
-The unique id travels through the tdist store as exactly 128 bytes (each of the id's
-128 ``char`` values modulo 256) -- no pickle. ``get_unique_id()`` returns signed values
-where ``char`` is signed (x86) and unsigned ones where it is not (ARM, POWER), so
-decoding yields signed values and :func:`new_communicator` retries with unsigned ones
-if CuPy refuses them.
+The unique id is held, and travels through the tdist store, as exactly 128 bytes -- no
+pickle. CuPy's own form of it changed: since CuPy 14 ``get_unique_id()`` returns those
+128 ``bytes`` and ``NcclCommunicator`` takes them; before, both used a tuple of 128
+``char`` values, signed where ``char`` is signed (x86) and unsigned where it is not
+(ARM, POWER). :func:`new_communicator` offers the bytes first and falls back to the
+signed, then the unsigned tuple when CuPy refuses a form (a ``TypeError`` or
+``OverflowError`` while converting the argument, before NCCL is called).
 """
 
 from __future__ import annotations
@@ -66,8 +68,13 @@ def version_string(code: int) -> str:
     return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
 
 
-def encode_unique_id(uid: Sequence[int]) -> bytes:
-    """The 128 ``char`` values of an NCCL unique id as 128 bytes."""
+def encode_unique_id(uid: bytes | Sequence[int]) -> bytes:
+    """An NCCL unique id as 128 bytes, from CuPy's bytes or tuple of 128 ``char`` values."""
+    if isinstance(uid, (bytes, bytearray)):
+        uid = bytes(uid)
+        if len(uid) != UNIQUE_ID_BYTES:
+            raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
+        return uid
     if len(uid) != UNIQUE_ID_BYTES:
         raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} values, got {len(uid)}")
     for value in uid:
@@ -77,48 +84,51 @@ def encode_unique_id(uid: Sequence[int]) -> bytes:
 
 
 def decode_unique_id(data: bytes, signed: bool = True) -> tuple[int, ...]:
-    """The id tuple ``NcclCommunicator`` takes, from :func:`encode_unique_id`'s bytes."""
+    """The tuple of ``char`` values CuPy before 14 takes, from the id's 128 bytes."""
     data = bytes(data)
     if len(data) != UNIQUE_ID_BYTES:
         raise DistBackendError(
-            f"nccl backend: the NCCL unique id in the store has {len(data)} bytes, expected {UNIQUE_ID_BYTES}"
+            f"nccl backend: the NCCL unique id has {len(data)} bytes, expected {UNIQUE_ID_BYTES}"
         )
     if not signed:
         return tuple(data)
     return tuple(b - 256 if b > 127 else b for b in data)
 
 
-def share_unique_id(nccl: Any, store: Any, key: str, rank: int, timeout: timedelta) -> tuple[int, ...]:
-    """Rank 0 creates a unique id and sets ``key``; every other rank waits for it."""
+def share_unique_id(nccl: Any, store: Any, key: str, rank: int, timeout: timedelta) -> bytes:
+    """Rank 0 creates a unique id and sets ``key``; every other rank waits for it.
+    Returns the id's 128 bytes."""
     if rank == 0:
-        uid = tuple(nccl.get_unique_id())
-        store.set(key, encode_unique_id(uid))
+        uid = encode_unique_id(nccl.get_unique_id())
+        store.set(key, uid)
         return uid
-    return decode_unique_id(store.get(key, timeout=timeout))
-
-
-def _unsigned(uid: Sequence[int]) -> tuple[int, ...]:
-    return tuple(v & 0xFF for v in uid)
+    data = bytes(store.get(key, timeout=timeout))
+    decode_unique_id(data)  # a length check with the backend's error
+    return data
 
 
 def new_communicator(
-    nccl: Any, size: int, uid: Sequence[int], rank: int, device_guard: Callable[[], ContextManager[Any]]
+    nccl: Any, size: int, uid: bytes, rank: int, device_guard: Callable[[], ContextManager[Any]]
 ) -> Any:
-    """``NcclCommunicator(size, uid, rank)`` created with ``device_guard()`` entered (its device).
+    """``NcclCommunicator(size, uid, rank)`` created with ``device_guard()`` entered (its device),
+    the id in the first form this CuPy takes (see the module docstring).
 
     Blocks until all ``size`` ranks have joined (unless called inside groupStart/groupEnd).
     """
+    forms = (bytes(uid), decode_unique_id(uid, signed=True), decode_unique_id(uid, signed=False))
     with device_guard():
-        try:
-            return nccl.NcclCommunicator(size, tuple(uid), rank)
-        except OverflowError:  # this platform's char is unsigned
-            return nccl.NcclCommunicator(size, _unsigned(uid), rank)
+        for form in forms[:-1]:
+            try:
+                return nccl.NcclCommunicator(size, form, rank)
+            except (TypeError, OverflowError):  # CuPy converts the id before calling NCCL
+                continue
+        return nccl.NcclCommunicator(size, forms[-1], rank)
 
 
 def new_clique(
     nccl: Any,
     total: int,
-    uid: Sequence[int],
+    uid: bytes,
     first_rank: int,
     guards: Sequence[Callable[[], ContextManager[Any]]],
 ) -> list[Any]:
