@@ -4,6 +4,9 @@ through the ``pytest11`` entry point once ``tdist`` is pip-installed, and from
 here otherwise (e.g. with PYTHONPATH=core/src)."""
 
 import importlib.metadata
+from datetime import timedelta
+
+import pytest
 
 
 def _plugin_registered() -> bool:
@@ -16,3 +19,13 @@ def _plugin_registered() -> bool:
 
 if not _plugin_registered():
     pytest_plugins = ["tdist.testing.pytest_plugin"]
+
+
+@pytest.fixture
+def world1():
+    """A default group of one rank (tcp over a HashStore) for single-process API tests."""
+    import tdist as dist
+
+    dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=10))
+    yield
+    dist.destroy_process_group()

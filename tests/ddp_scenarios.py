@@ -269,6 +269,85 @@ def scenario_wrapper(dist, DDP, rank: int, world_size: int) -> dict:
     }
 
 
+def _train(ddp: nn.Module, rank: int, world_size: int, steps: int = 5) -> None:
+    opt = sgd(ddp)
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.mse_loss(ddp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        opt.step()
+
+
+def scenario_hooks(dist, DDP, rank: int, world_size: int) -> dict:
+    """The built-in communication hooks, each on a fresh replica trained as in "equivalence"."""
+    from tdist.nn import comm_hooks
+
+    result = {}
+    for name in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"):
+        model = deep_mlp()
+        ddp = DDP(model, bucket_cap_mb=0.005)
+        ddp.register_comm_hook(None, getattr(comm_hooks, name))
+        _train(ddp, rank, world_size)
+        result[name] = {"params": params_of(model), "buckets": len(ddp._buckets), "stats": ddp.stats.as_dict()}
+    return result
+
+
+def scenario_custom_hook(dist, DDP, rank: int, world_size: int) -> dict:
+    """A hook with state that records what GradBucket shows, sums without averaging and
+    divides in its future's callback; registering a second hook is refused."""
+    model = deep_mlp()
+    ddp = DDP(model, bucket_cap_mb=0.005)
+    seen: list = []
+
+    def hook(state, bucket):
+        grads, params = bucket.gradients(), bucket.parameters()
+        state.append({
+            "index": bucket.index(), "is_last": bucket.is_last(), "numel": bucket.buffer().numel(),
+            "shapes_match": [tuple(g.shape) for g in grads] == [tuple(p.shape) for p in params],
+            "views": all(g.data_ptr() >= bucket.buffer().data_ptr() for g in grads),
+        })
+        total = bucket.buffer().clone()
+        work = dist.all_reduce(total, async_op=True)
+        return work.get_future().then(lambda fut: [fut.value()[0] / world_size])
+
+    ddp.register_comm_hook(seen, hook)
+    try:
+        ddp.register_comm_hook(None, hook)
+        second = None
+    except RuntimeError as exc:
+        second = str(exc)
+    _train(ddp, rank, world_size)
+    return {"params": params_of(model), "seen": seen, "buckets": len(ddp._buckets), "second": second}
+
+
+def scenario_failing_hook(dist, DDP, rank: int, world_size: int) -> dict:
+    """A hook that raises (on every rank, before communicating): backward raises its error
+    once every bucket is accounted for, and the wrapper and the group keep working."""
+    model = mlp()
+    ddp = DDP(model)
+    calls = []
+
+    def hook(state, bucket):
+        calls.append(bucket.index())
+        if len(calls) == 1:
+            raise ValueError("hook refused bucket")
+        return dist.all_reduce(bucket.buffer().div_(world_size), async_op=True).get_future().then(
+            lambda _: bucket.buffer()
+        )
+
+    ddp.register_comm_hook(None, hook)
+    x, y = batch(0)
+    try:
+        F.mse_loss(ddp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        raised = None
+    except ValueError as exc:
+        raised = str(exc)
+    _train(ddp, rank, world_size, steps=1)
+    t = torch.ones(2) * (rank + 1)
+    dist.all_reduce(t)
+    return {"raised": raised, "after": t, "calls": len(calls), "buckets": len(ddp._buckets)}
+
+
 SCENARIOS = {
     "wrapper": scenario_wrapper,
     "equivalence": scenario_equivalence,
@@ -278,6 +357,9 @@ SCENARIOS = {
     "unused_error": scenario_unused_error,
     "find_unused": scenario_find_unused,
     "buffers": scenario_buffers,
+    "hooks": scenario_hooks,
+    "custom_hook": scenario_custom_hook,
+    "failing_hook": scenario_failing_hook,
 }
 
 

@@ -10,12 +10,6 @@ import torch
 import tdist as dist
 
 
-@pytest.fixture
-def world1():
-    dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=10))
-    yield
-    dist.destroy_process_group()
-
 
 def test_op_before_init_raises():
     with pytest.raises(dist.DistError, match="not initialized"):

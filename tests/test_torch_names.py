@@ -114,12 +114,6 @@ def test_torchelastic_launched(monkeypatch):
     assert dist.is_torchelastic_launched()
 
 
-@pytest.fixture
-def world1():
-    dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=10))
-    yield
-    dist.destroy_process_group()
-
 
 def test_pg_count():
     assert dist.get_pg_count() == 0
@@ -153,7 +147,8 @@ def test_pg_count():
         (lambda: dist.new_subgroups(group_size=0), ValueError, "must be a positive integer"),
         (lambda: dist.new_subgroups(), ValueError, "group_size is required where CUDA is not available"),
         (lambda: dist.new_subgroups_by_enumeration([]), ValueError, "is empty"),
-        (lambda: dist.new_subgroups_by_enumeration([[0], [0]]), ValueError, r"rank 0 is in both subgroup \[0\] and \[0\]"),
+        (lambda: dist.new_subgroups_by_enumeration([[0], [0]]), ValueError,
+         r"rank 0 is in both subgroup \[0\] and \[0\]"),
         (lambda: dist.barrier(timeout=3), TypeError, "timeout must be a datetime.timedelta"),
         (lambda: dist.gather_object(1, [None], dst=0, group_dst=0), ValueError, "either dst or group_dst"),
         (lambda: dist.send_object_list([1], group_dst=0), ValueError, "own rank"),

@@ -76,7 +76,9 @@ def all_gather_coalesced(
         return warn_not_member("all_gather_coalesced")
     if not isinstance(output_tensor_lists, list) or len(output_tensor_lists) != pg.size:
         got = len(output_tensor_lists) if isinstance(output_tensor_lists, list) else type(output_tensor_lists).__name__
-        raise ValueError(f"all_gather_coalesced: output_tensor_lists must be a list of {pg.size} lists (one per rank), got {got}")
+        raise ValueError(
+            f"all_gather_coalesced: output_tensor_lists must be a list of {pg.size} lists (one per rank), got {got}"
+        )
     for r, outputs in enumerate(output_tensor_lists):
         name = f"output_tensor_lists[{r}]"
         check_tensor_list("all_gather_coalesced", name, outputs, like=flat, same_numel=False)

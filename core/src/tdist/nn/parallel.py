@@ -30,9 +30,13 @@ How it works (one process per replica, any tdist backend, public tdist API only)
   completing the all-reduces with zeros, so that the other ranks do not hang).
 - ``no_sync()``: inside it, backward only accumulates into ``param.grad``; the
   first backward outside all-reduces the accumulated gradients.
+- ``register_comm_hook(state, hook)``: each full bucket goes to ``hook(state,
+  GradBucket)`` instead of the averaging all_reduce; the future it returns holds the
+  reduced buffer (see :mod:`tdist.nn.comm_hooks`, which has torch's built-in hooks:
+  ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``).
 
 Unlike torch, buckets are not rebuilt after the first iteration from the
-observed gradient order, and there are no communication hooks.
+observed gradient order.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ import torch
 from torch import nn
 
 import tdist as dist
+
+from .comm_hooks import CommHook, GradBucket
 
 __all__ = ["DistributedDataParallel", "DDPStats"]
 
@@ -68,6 +74,8 @@ class DDPStats:
     #: gradient bucket all-reduces issued, and their bytes
     allreduce_calls: int = 0
     allreduce_bytes: int = 0
+    #: buckets handed to the registered communication hook instead
+    comm_hook_calls: int = 0
     #: broadcasts of parameters (construction) and buffers (each forward), and their bytes
     broadcast_calls: int = 0
     broadcast_bytes: int = 0
@@ -219,6 +227,7 @@ class DistributedDataParallel(nn.Module):
         self.stats = DDPStats()
 
         self._world_size = dist.get_world_size(process_group)
+        self._timeout_s = (process_group or dist.group.WORLD).timeout.total_seconds()
         self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self._named_params = [
@@ -254,6 +263,7 @@ class DistributedDataParallel(nn.Module):
         self._used: set[int] = set()  # parameters whose hook fired in this backward
         self._accumulated: set[int] = set()  # parameters that got gradients under no_sync since the last sync
         self._next_bucket = 0  # the next bucket to issue (issued in order)
+        self._comm_hook: Optional[tuple[Any, CommHook]] = None
 
         ref = weakref.ref(self)
         self._hook_handles = [
@@ -271,6 +281,19 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce each gradient bucket with ``hook(state, bucket)`` (a
+        :class:`~tdist.nn.comm_hooks.GradBucket`) instead of the default averaging
+        all_reduce; the hook returns a ``torch.futures.Future`` of the reduced flat buffer.
+        Once per wrapper, before the first backward (as in torch)."""
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook: a communication hook is already registered (only one is allowed)")
+        if self.stats.sync_steps or self._in_backward:
+            raise RuntimeError("register_comm_hook: register the hook before the first backward")
+        self._comm_hook = (state, hook)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.device is not None:
@@ -433,12 +456,57 @@ class DistributedDataParallel(nn.Module):
     def _issue_ready_buckets(self) -> None:
         while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
             bucket = self._buckets[self._next_bucket]
-            if self._world_size > 1:
+            if self._comm_hook is not None:
+                bucket.work = self._run_comm_hook(bucket)
+            elif self._world_size > 1:
                 bucket.buffer.div_(self._world_size)
                 bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
                 self.stats.allreduce_calls += 1
                 self.stats.allreduce_bytes += bucket.nbytes
             self._next_bucket += 1
+
+    def _run_comm_hook(self, bucket: _Bucket) -> Any:
+        state, hook = self._comm_hook  # type: ignore[misc]
+        params = [self._params[i] for i in bucket.params]
+        is_last = bucket.index == len(self._buckets) - 1
+        grad_bucket = GradBucket(bucket.index, bucket.buffer, params, bucket.offsets, is_last)
+        self.stats.comm_hook_calls += 1
+        try:
+            future = hook(state, grad_bucket)
+            if not isinstance(future, torch._C.Future):  # torch.futures.Future, or what its then() returns
+                raise TypeError(
+                    f"DistributedDataParallel: the communication hook returned {type(future).__name__}, "
+                    "not a torch.futures.Future of the reduced bucket"
+                )
+        except Exception as exc:  # noqa: BLE001 - raised at the end of backward, the reducer's state intact
+            future = torch.futures.Future()
+            future.set_exception(exc)
+        return future
+
+    def _complete(self, bucket: _Bucket) -> None:
+        """Wait for ``bucket``'s all_reduce or hook future; a hook's result goes into the buffer."""
+        work, bucket.work = bucket.work, None
+        if isinstance(work, dist.Work):
+            work.wait()
+            return
+        done = threading.Event()
+        work.add_done_callback(lambda _: done.set())
+        if not done.wait(self._timeout_s):
+            raise dist.DistBackendTimeoutError(
+                f"DistributedDataParallel: the communication hook's future for bucket {bucket.index} did not "
+                f"complete within the group's timeout ({self._timeout_s:g} s)"
+            )
+        result = work.wait()
+        if isinstance(result, (list, tuple)) and len(result) == 1:
+            result = result[0]
+        if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
+            shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+            raise RuntimeError(
+                f"DistributedDataParallel: the communication hook's future for bucket {bucket.index} holds {shape}, "
+                f"expected a tensor of {bucket.buffer.numel()} elements"
+            )
+        if result.data_ptr() != bucket.buffer.data_ptr():
+            bucket.buffer.copy_(result.reshape(-1))
 
     def _finalize_backward(self) -> None:
         """End of backward: complete every bucket, then write the averaged gradients back."""
@@ -452,11 +520,17 @@ class DistributedDataParallel(nn.Module):
             for i in missing:
                 self._mark_ready(i, from_hook=False)
             start = time.perf_counter()
+            errors = []
             for bucket in self._buckets:
                 if bucket.work is not None:
-                    bucket.work.wait()
-                    bucket.work = None
+                    try:
+                        self._complete(bucket)
+                    except Exception as exc:  # noqa: BLE001 - every bucket is completed, then the first error raised
+                        errors.append(exc)
             self.stats.wait_seconds += time.perf_counter() - start
+            if errors:
+                self._accumulated = set()
+                raise errors[0]
             if missing and not self.find_unused_parameters:
                 self._accumulated = set()
                 names = [self._named_params[i][0] for i in missing]

@@ -25,7 +25,8 @@ def _settle(s: Sub, result: Any, name: str, async_op: bool) -> None:
     if not s.is_member or not async_op:
         assert_true(result is None, f"{name} returned {result!r}, expected None")
         return
-    assert_true(hasattr(result, "wait") and hasattr(result, "done"), f"{name}(async_op=True) returned {result!r}, not a future")
+    is_future = hasattr(result, "wait") and hasattr(result, "done")
+    assert_true(is_future, f"{name}(async_op=True) returned {result!r}, not a future")
     result.wait()
     assert_true(result.done(), f"{name}: the future is not done after wait()")
 
