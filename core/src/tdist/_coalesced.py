@@ -5,6 +5,10 @@ packs its tensors into one flat buffer, runs a single :func:`all_reduce` /
 :func:`all_gather` on it, and copies the results out when that completes -- so they
 work on every backend that has the underlying collective. As in torch, ``async_op=True``
 returns a ``torch.futures.Future`` (not a Work), completed once the results are copied.
+
+They pay off for many small tensors, where one collective replaces many (2 ranks, tcp:
+100 tensors of 1 KiB in 0.9 ms instead of 9.0 ms); for large tensors the packing copies
+cost more than they save (20 of 256 KiB: 5.1 ms instead of 1.4 ms).
 """
 
 from __future__ import annotations
