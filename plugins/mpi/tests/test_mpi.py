@@ -127,6 +127,22 @@ def test_mpi_init_does_not_hold_the_gil(mpi_ready):
 
 
 # ---------------------------------------------------------------- the tutorial
+@pytest.mark.parametrize("mode", ["init_mpi", "mpi4py_first"])
+def test_init_order_and_the_allreduce_algorithm(mpi_ready, mode, monkeypatch):
+    """tdist_mpi.init_mpi() sets Open MPI's fast nonblocking allreduce; importing mpi4py.MPI
+    first keeps Open MPI's default, and init_process_group warns how to fix it."""
+    monkeypatch.delenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", raising=False)
+    result = run_mpi(2, "init_order.py", mode, timeout=90)
+    assert result.returncode == 0, result.output[-3000:]
+    lines = result.lines("RESULT")
+    assert len(lines) == 2, result.output[-3000:]
+    for line in lines:
+        if mode == "init_mpi":
+            assert "algorithm=3 warnings=0" in line, line
+        else:
+            assert "algorithm=unset warnings=1" in line and "tdist_mpi.init_mpi()" in line, line
+
+
 def test_tutorial_init_without_rank_or_world_size(mpi_ready):
     result = run_mpi(3, "tutorial.py", "no-args", timeout=120)
     assert result.returncode == 0, result.output[-4000:]

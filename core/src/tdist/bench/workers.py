@@ -358,8 +358,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     with open(argv[0]) as f:
         cfg = json.load(f)
     rank, world, under_mpi = _env_rank()
-    if under_mpi:
-        from mpi4py import MPI  # noqa: F401  (initialise MPI before anything else)
+    if under_mpi:  # initialise MPI before anything else, as tdist's mpi backend would (if installed)
+        try:
+            from tdist_mpi import init_mpi
+        except ImportError:
+            from mpi4py import MPI  # noqa: F401
+        else:
+            init_mpi()
     try:
         results = run(cfg, rank, world, under_mpi)
     except BaseException as exc:

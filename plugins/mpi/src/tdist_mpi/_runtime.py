@@ -120,6 +120,7 @@ def runtime() -> Runtime:
 
 
 def _start() -> Runtime:
+    initialised_elsewhere = "mpi4py.MPI" in sys.modules and LIBNBC_IALLREDUCE_ENV not in os.environ
     if "mpi4py.MPI" not in sys.modules:
         os.environ.setdefault(LIBNBC_IALLREDUCE_ENV, LIBNBC_IALLREDUCE_DEFAULT)
         _init_without_gil(respect_rc=True)
@@ -143,6 +144,17 @@ def _start() -> Runtime:
     # Errors come back as MPI.Exception (mpi4py's default policy; set again in case the
     # program changed it); the backend turns them into DistBackendError.
     MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
+    if initialised_elsewhere and "Open MPI" in MPI.Get_library_version():
+        import warnings
+
+        warnings.warn(
+            "tdist mpi backend: mpi4py.MPI was imported before tdist initialised MPI, so Open MPI's "
+            "nonblocking allreduce keeps its default binomial tree (~3x slower for large tensors). "
+            f"Call tdist_mpi.init_mpi() instead of `from mpi4py import MPI`, or set {LIBNBC_IALLREDUCE_ENV}="
+            f"{LIBNBC_IALLREDUCE_DEFAULT} in the environment.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     rt = Runtime(MPI)
     if rt.world_size > 1 and os.environ.get(ABORT_ENV, "1").strip().lower() not in ("0", "false", "no", "off"):
         _install_abort_hook(rt)
