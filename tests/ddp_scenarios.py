@@ -148,15 +148,20 @@ def reference_branches(world_size: int = 2, steps: int = 3) -> tuple[dict, dict]
 
 
 # --------------------------------------------------------------------------- scenarios (in a job)
-def scenario_equivalence(dist, DDP, rank: int, world_size: int, **ddp_kwargs) -> dict:
-    model = mlp()
-    ddp = DDP(model, **ddp_kwargs)
+def _train(ddp: nn.Module, rank: int, world_size: int, steps: int = 5) -> None:
+    """SGD on each rank's shard of the batches reference_training uses."""
     opt = sgd(ddp)
-    for step in range(5):
+    for step in range(steps):
         x, y = batch(step)
         opt.zero_grad()
         F.mse_loss(ddp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
         opt.step()
+
+
+def scenario_equivalence(dist, DDP, rank: int, world_size: int, **ddp_kwargs) -> dict:
+    model = mlp()
+    ddp = DDP(model, **ddp_kwargs)
+    _train(ddp, rank, world_size)
     views = all(
         p.grad is not None and p.grad.data_ptr() != 0 and p.grad._base is not None for p in model.parameters()
     )
@@ -170,12 +175,7 @@ def scenario_view(dist, DDP, rank, world_size):
 def scenario_buckets(dist, DDP, rank: int, world_size: int) -> dict:
     model = deep_mlp()
     ddp = DDP(model, bucket_cap_mb=0.005)  # ~5 KiB: one 32x32 layer per bucket
-    opt = sgd(ddp)
-    for step in range(5):
-        x, y = batch(step)
-        opt.zero_grad()
-        F.mse_loss(ddp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
-        opt.step()
+    _train(ddp, rank, world_size)
     return {"params": params_of(model), "buckets": len(ddp._buckets), "stats": ddp.stats.as_dict()}
 
 
@@ -267,15 +267,6 @@ def scenario_wrapper(dist, DDP, rank: int, world_size: int) -> dict:
         "armed_after_no_grad": armed_after_no_grad,
         "training": (model.training, ddp.training),
     }
-
-
-def _train(ddp: nn.Module, rank: int, world_size: int, steps: int = 5) -> None:
-    opt = sgd(ddp)
-    for step in range(steps):
-        x, y = batch(step)
-        opt.zero_grad()
-        F.mse_loss(ddp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
-        opt.step()
 
 
 def scenario_hooks(dist, DDP, rank: int, world_size: int) -> dict:

@@ -104,7 +104,7 @@ def test_serialised_thread_level_and_collective_checks(mpi_ready):
 
 
 def test_mismatched_collectives_raise_with_the_check(mpi_ready):
-    kinds = ["op", "dtype", "root", "size"]
+    kinds = ["op", "size", "dtype_float64", "dtype_int32", "root"]
     result = run_mpi(2, "mismatch.py", ",".join(kinds), env={"TDIST_MPI_CHECK_COLLECTIVES": "1"}, timeout=120)
     assert result.returncode == 0, result.output[-4000:]
     for kind in kinds:

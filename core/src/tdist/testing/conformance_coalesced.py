@@ -7,11 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from ._registry import body
-from .helpers import GROUP_KINDS, Sub, assert_tensor, assert_true, dist, is_tdist, value
+from .helpers import GROUP_ASYNC, GROUP_KINDS, Sub, assert_tensor, assert_true, dist, is_tdist, value, value_sum
 
 __all__ = ["all_reduce_coalesced", "all_gather_coalesced", "single_tensor_aliases"]
-
-_GROUP_ASYNC = [{"group": g, "async_op": a} for g in GROUP_KINDS for a in (False, True)]
 
 
 def _torch():
@@ -31,11 +29,7 @@ def _settle(s: Sub, result: Any, name: str, async_op: bool) -> None:
     assert_true(result.done(), f"{name}: the future is not done after wait()")
 
 
-def _sum(members: list, *shape: int, salt: int = 0) -> Any:
-    return sum(value(m, *shape, salt=salt) for m in members)
-
-
-@body(params=_GROUP_ASYNC)
+@body(params=GROUP_ASYNC)
 def all_reduce_coalesced(group: str = "world", async_op: bool = False):
     """Three tensors of different shapes reduced in one call (plus a strided view on tdist),
     SUM then MAX; non-members' tensors stay untouched."""
@@ -49,10 +43,10 @@ def all_reduce_coalesced(group: str = "world", async_op: bool = False):
     before = [t.clone() for t in tensors]
     _settle(s, dist.all_reduce_coalesced(tensors, async_op=async_op, **s.kw), "all_reduce_coalesced", async_op)
     for i, shape in enumerate(shapes):
-        expected = _sum(s.members, *shape, salt=i) if s.is_member else before[i]
+        expected = value_sum(s.members, *shape, salt=i) if s.is_member else before[i]
         assert_tensor(tensors[i], expected, f"all_reduce_coalesced tensor {i}")
     if is_tdist():
-        expected = _sum(s.members, 4, 4, salt=7)[:, ::2] if s.is_member else before[3]
+        expected = value_sum(s.members, 4, 4, salt=7)[:, ::2] if s.is_member else before[3]
         assert_tensor(tensors[3], expected, "all_reduce_coalesced strided view")
         assert_tensor(base[:, 1::2], value(s.rank, 4, 4, salt=7)[:, 1::2], "the elements between the view's")
     pair = [torch.tensor([float(s.rank)]), torch.tensor([-float(s.rank), 1.0])]
@@ -63,7 +57,7 @@ def all_reduce_coalesced(group: str = "world", async_op: bool = False):
         assert_tensor(pair[1], torch.tensor([-float(min(s.members)), 1.0]), "all_reduce_coalesced MAX tensor 1")
 
 
-@body(params=_GROUP_ASYNC)
+@body(params=GROUP_ASYNC)
 def all_gather_coalesced(group: str = "world", async_op: bool = False):
     """``output_tensor_lists[i][j]`` receives group rank i's ``input_tensor_list[j]``;
     tensors of several shapes in one call."""
@@ -92,4 +86,4 @@ def single_tensor_aliases(group: str = "world"):
     out = torch.full((3,), -1.0)
     dist.reduce_scatter_single(out, value(s.rank, s.size * 3), **s.kw)
     if s.is_member:
-        assert_tensor(out, _sum(s.members, s.size * 3)[s.me * 3:(s.me + 1) * 3], "reduce_scatter_single")
+        assert_tensor(out, value_sum(s.members, s.size * 3)[s.me * 3:(s.me + 1) * 3], "reduce_scatter_single")

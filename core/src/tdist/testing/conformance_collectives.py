@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from ._registry import body
 from .helpers import (
+    GROUP_ASYNC,
     GROUP_KINDS,
     Sub,
     assert_tensor,
@@ -21,6 +22,7 @@ from .helpers import (
     dist,
     is_tdist,
     value,
+    value_sum,
 )
 
 __all__ = [
@@ -48,8 +50,6 @@ __all__ = [
 #: torch gloo's Work of these reports is_completed() == False after wait() returned
 #: (the deprecated docs guarantee True); only tolerated for the reference.
 _REFERENCE_IS_COMPLETED_QUIRK = ("reduce_scatter", "reduce_scatter_tensor")
-
-_GROUP_ASYNC = [{"group": g, "async_op": a} for g in GROUP_KINDS for a in (False, True)]
 
 
 def _torch():
@@ -80,15 +80,7 @@ def _untouched(t: Any, fill: float, what: str) -> None:
     assert_tensor(t, torch.full_like(t, fill), f"non-member's {what} must stay untouched")
 
 
-def _sum(members: list, *shape: int, salt: int = 0) -> Any:
-    total = None
-    for m in members:
-        v = value(m, *shape, salt=salt)
-        total = v if total is None else total + v
-    return total
-
-
-@body(params=_GROUP_ASYNC)
+@body(params=GROUP_ASYNC)
 def broadcast(group: str = "world", async_op: bool = False):
     """broadcast from every member as root; float32, int64 and bool."""
     torch = _torch()
@@ -104,7 +96,7 @@ def broadcast(group: str = "world", async_op: bool = False):
                 assert_tensor(t, before, "non-member's tensor must stay untouched")
 
 
-@body(params=_GROUP_ASYNC)
+@body(params=GROUP_ASYNC)
 def all_reduce(group: str = "world", async_op: bool = False):
     """all_reduce SUM (default op) and MAX in the group."""
     torch = _torch()
@@ -112,7 +104,7 @@ def all_reduce(group: str = "world", async_op: bool = False):
     t = value(s.rank, 5)
     issue(s, dist.all_reduce, t, async_op=async_op)
     if s.is_member:
-        assert_tensor(t, _sum(s.members, 5), "all_reduce SUM")
+        assert_tensor(t, value_sum(s.members, 5), "all_reduce SUM")
     else:
         assert_tensor(t, value(s.rank, 5), "non-member's tensor must stay untouched")
     t = torch.tensor([float(s.rank), -float(s.rank)])
@@ -121,7 +113,7 @@ def all_reduce(group: str = "world", async_op: bool = False):
         assert_tensor(t, torch.tensor([float(max(s.members)), -float(min(s.members))]), "all_reduce MAX")
 
 
-@body(params=_GROUP_ASYNC)
+@body(params=GROUP_ASYNC)
 def reduce(group: str = "world", async_op: bool = False):
     """reduce SUM to every member in turn; only the destination's result is defined."""
     s = Sub(group)
@@ -129,12 +121,12 @@ def reduce(group: str = "world", async_op: bool = False):
         t = value(s.rank, 4)
         issue(s, dist.reduce, t, dst=dst, async_op=async_op)
         if s.rank == dst:
-            assert_tensor(t, _sum(s.members, 4), f"reduce to {dst}")
+            assert_tensor(t, value_sum(s.members, 4), f"reduce to {dst}")
         elif not s.is_member:
             assert_tensor(t, value(s.rank, 4), "non-member's tensor must stay untouched")
 
 
-@body(params=_GROUP_ASYNC)
+@body(params=GROUP_ASYNC)
 def all_gather(group: str = "world", async_op: bool = False):
     """all_gather into a list: entry i is group rank i's tensor."""
     torch = _torch()
@@ -148,7 +140,7 @@ def all_gather(group: str = "world", async_op: bool = False):
             _untouched(out[i], -1.0, "output list")
 
 
-@body(params=_GROUP_ASYNC)
+@body(params=GROUP_ASYNC)
 def gather(group: str = "world", async_op: bool = False):
     """gather to every member in turn; gather_list only on the destination."""
     torch = _torch()
@@ -161,7 +153,7 @@ def gather(group: str = "world", async_op: bool = False):
                 assert_tensor(gather_list[i], value(m, 3, salt=dst), f"gather to {dst}, entry {i}")
 
 
-@body(params=_GROUP_ASYNC)
+@body(params=GROUP_ASYNC)
 def scatter(group: str = "world", async_op: bool = False):
     """scatter from every member in turn; scatter_list only on the source."""
     torch = _torch()
@@ -176,7 +168,7 @@ def scatter(group: str = "world", async_op: bool = False):
             _untouched(out, -1.0, "output")
 
 
-@body(params=_GROUP_ASYNC, requires=("reduce_scatter",))
+@body(params=GROUP_ASYNC, requires=("reduce_scatter",))
 def reduce_scatter(group: str = "world", async_op: bool = False):
     """reduce_scatter (list form): group rank i gets the sum of everyone's input i."""
     torch = _torch()
@@ -185,12 +177,12 @@ def reduce_scatter(group: str = "world", async_op: bool = False):
     out = torch.full((3,), -1.0)
     issue(s, dist.reduce_scatter, out, inputs, async_op=async_op)
     if s.is_member:
-        assert_tensor(out, _sum(s.members, 3, salt=s.me), "reduce_scatter")
+        assert_tensor(out, value_sum(s.members, 3, salt=s.me), "reduce_scatter")
     else:
         _untouched(out, -1.0, "output")
 
 
-@body(params=_GROUP_ASYNC, requires=("all_to_all",))
+@body(params=GROUP_ASYNC, requires=("all_to_all",))
 def all_to_all(group: str = "world", async_op: bool = False):
     """all_to_all (list form): output j holds group rank j's input for me."""
     torch = _torch()
@@ -223,7 +215,7 @@ def all_to_all_uneven(group: str = "world"):
             assert_tensor(outputs[j], value(m, s.me + 1, salt=s.me), f"all_to_all from {m}")
 
 
-@body(params=_GROUP_ASYNC)
+@body(params=GROUP_ASYNC)
 def barrier(group: str = "world", async_op: bool = False):
     """barrier returns (three times in a row) on every member."""
     s = Sub(group)
@@ -245,7 +237,7 @@ def barrier_blocks():
         assert_true(waited >= 0.3, f"left the barrier after {waited:.3f} s, before rank 0 (0.5 s late) entered")
 
 
-@body(params=_GROUP_ASYNC, requires=("all_gather_into_tensor",))
+@body(params=GROUP_ASYNC, requires=("all_gather_into_tensor",))
 def all_gather_into_tensor(group: str = "world", async_op: bool = False):
     """all_gather_into_tensor: output is every member's input concatenated in group-rank order."""
     torch = _torch()
@@ -258,7 +250,7 @@ def all_gather_into_tensor(group: str = "world", async_op: bool = False):
         _untouched(out, -1.0, "output")
 
 
-@body(params=_GROUP_ASYNC, requires=("reduce_scatter_tensor",))
+@body(params=GROUP_ASYNC, requires=("reduce_scatter_tensor",))
 def reduce_scatter_tensor(group: str = "world", async_op: bool = False):
     """reduce_scatter_tensor: chunk i of the sum over members goes to group rank i."""
     torch = _torch()
@@ -267,12 +259,12 @@ def reduce_scatter_tensor(group: str = "world", async_op: bool = False):
     out = torch.full((4,), -1.0)
     issue(s, dist.reduce_scatter_tensor, out, inp, async_op=async_op)
     if s.is_member:
-        assert_tensor(out, _sum(s.members, 4, salt=s.me), "reduce_scatter_tensor")
+        assert_tensor(out, value_sum(s.members, 4, salt=s.me), "reduce_scatter_tensor")
     else:
         _untouched(out, -1.0, "output")
 
 
-@body(params=_GROUP_ASYNC, requires=("all_to_all_single",))
+@body(params=GROUP_ASYNC, requires=("all_to_all_single",))
 def all_to_all_single(group: str = "world", async_op: bool = False):
     """all_to_all_single with even splits (no split sizes given)."""
     torch = _torch()

@@ -37,11 +37,15 @@ __all__ = [
     "dtype_of",
     "expected_world_size",
     "value",
+    "value_sum",
     "cached_group",
+    "GROUP_ASYNC",
 ]
 
 #: Every group shape a body can be asked to run in (the ``group`` parameter).
 GROUP_KINDS = ("world", "sub")
+#: ``params=`` for a body run in every group shape, blocking and with ``async_op=True``.
+GROUP_ASYNC = [{"group": g, "async_op": a} for g in GROUP_KINDS for a in (False, True)]
 
 
 def rank() -> int:
@@ -238,3 +242,12 @@ def value(rank_: int, *shape: int, dtype: Union[str, Any] = "float32", salt: int
     if dtype in (torch.int8, torch.uint8):
         base = (base % 100)
     return base.to(dtype).reshape(shape)
+
+
+def value_sum(members: Sequence[int], *shape: int, salt: int = 0) -> Any:
+    """The sum over ``members`` of :func:`value` (float32): what a SUM reduction gives."""
+    total = None
+    for m in members:
+        v = value(m, *shape, salt=salt)
+        total = v if total is None else total + v
+    return total

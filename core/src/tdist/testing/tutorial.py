@@ -262,7 +262,7 @@ def allreduce(send, recv):
 @body(suite="tutorial")
 def tutorial_ring_allreduce():
     """The tutorial's ring allreduce built on isend/recv equals dist.all_reduce."""
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     for numel in (1, 7, 1000):
         send = torch.arange(numel, dtype=torch.float32) + 10 * rank
         recv = torch.zeros(numel)
