@@ -9,7 +9,6 @@ one scenario's saved results.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import tdist  # noqa: E402
+from tdist._local import find_mpirun, mpirun_env  # noqa: E402
 
 import ddp_scenarios as S  # noqa: E402
 from jobs import ROOT, TESTS, base_env, kill_session, python_job, run_job  # noqa: E402
@@ -28,15 +28,10 @@ JOB_TIMEOUT = 180
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(JOB_TIMEOUT + 60)]
 
 
-def _mpirun():
-    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    return here if os.access(here, os.X_OK) else shutil.which("mpirun")
-
-
 def _backends() -> list[str]:
     """tcp always (ours); the other installed CPU backends: gloo (env://), mpi (under mpirun)."""
     try:
-        others = [b for b in tdist.available_backends() if b == "gloo" or (b == "mpi" and _mpirun())]
+        others = [b for b in tdist.available_backends() if b == "gloo" or (b == "mpi" and find_mpirun())]
     except Exception:
         others = []
     return ["tcp"] + sorted(others)
@@ -48,9 +43,8 @@ def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"ddp-{backend}")
     args = [os.path.join(TESTS, "ddp_scenarios.py"), "--backend", backend, "--out", str(out)]
     if backend == "mpi":
-        env = base_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                       OMPI_MCA_rmaps_base_oversubscribe="1")
-        cmd = [_mpirun(), "-n", str(WORLD_SIZE), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
+        env = mpirun_env(base_env(), str(out))
+        cmd = [find_mpirun(), "-n", str(WORLD_SIZE), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
         job = run_job([cmd], [env], timeout=JOB_TIMEOUT)
     else:
         job = python_job(args, WORLD_SIZE, timeout=JOB_TIMEOUT)

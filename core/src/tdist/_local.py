@@ -8,7 +8,7 @@ import socket
 import sys
 from typing import Optional
 
-__all__ = ["free_port", "find_mpirun"]
+__all__ = ["free_port", "find_mpirun", "mpirun_env"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -25,3 +25,19 @@ def find_mpirun() -> Optional[str]:
     if os.access(here, os.X_OK):
         return here
     return shutil.which("mpirun")
+
+
+def mpirun_env(env: dict[str, str], session_dir: str) -> dict[str, str]:
+    """``env`` for an ``mpirun`` the test kit, the tests or the benchmark start: Open MPI
+    may run as root and oversubscribe the cores, and ``TMPDIR`` is ``session_dir``, a
+    directory private to this run. Open MPI keeps its session directory under ``TMPDIR``,
+    named after mpirun's pid, and leaves it behind when the job is killed; a later mpirun
+    that gets the same pid then fails with "The PMIx server's listener thread failed to
+    start" (exit 213)."""
+    return {
+        **env,
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        "TMPDIR": session_dir,
+    }

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from mpi_helpers import backend_unavailable, find_mpirun
+from mpi_helpers import backend_unavailable
+from tdist._local import find_mpirun
 
 
 @pytest.fixture(scope="session")

@@ -8,18 +8,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tdist._local import find_mpirun, mpirun_env
 
 PROGRAMS = Path(__file__).parent / "programs"
-
-
-def find_mpirun() -> Optional[str]:
-    here = Path(sys.executable).with_name("mpirun")
-    return str(here) if here.exists() else shutil.which("mpirun")
 
 
 def backend_unavailable() -> Optional[str]:
@@ -50,14 +47,8 @@ def run_mpi(
     group, which holds only what this call started) after ``timeout`` seconds."""
     mpirun = find_mpirun()
     assert mpirun, "mpirun not found"
-    full_env = dict(os.environ)
-    full_env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_rmaps_base_oversubscribe="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONDONTWRITEBYTECODE="1",
-    )
+    session_dir = tempfile.mkdtemp(prefix="tdist-mpi-test-")
+    full_env = mpirun_env(dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1"), session_dir)
     full_env.update(env or {})
     cmd = [mpirun, "-n", str(n), "--oversubscribe", "--bind-to", "none", *mpirun_args,
            sys.executable, str(PROGRAMS / program) if "/" not in program else program, *args]
@@ -74,4 +65,6 @@ def run_mpi(
         except ProcessLookupError:
             pass
         out, _ = proc.communicate()
+    finally:
+        shutil.rmtree(session_dir, ignore_errors=True)
     return MpiResult(proc.returncode, out, time.monotonic() - start, timed_out)

@@ -14,7 +14,7 @@ import tempfile
 import time
 from typing import Any
 
-from .._local import find_mpirun, free_port
+from .._local import find_mpirun, free_port, mpirun_env
 
 __all__ = ["find_mpirun", "free_port", "run_world", "mpi_available"]
 
@@ -56,10 +56,9 @@ def run_world(world: int, cfg: dict[str, Any], use_mpi: bool, timeout: float, ve
     if use_mpi:
         mpirun = find_mpirun()
         assert mpirun is not None
-        if hasattr(os, "geteuid") and os.geteuid() == 0:
-            env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        procs.append(subprocess.Popen(_mpirun_command(mpirun, world) + worker, env=env, start_new_session=True))
+        procs.append(
+            subprocess.Popen(_mpirun_command(mpirun, world) + worker, env=mpirun_env(env, tmp), start_new_session=True)
+        )
     else:
         for rank in range(world):
             penv = dict(env, TDIST_BENCH_RANK=str(rank), TDIST_BENCH_WORLD=str(world))

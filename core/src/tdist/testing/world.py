@@ -37,7 +37,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
-from .._local import find_mpirun, free_port
+from .._local import find_mpirun, free_port, mpirun_env
 from ._common import (
     BACKEND_ENV,
     CONTROLLER_ENV,
@@ -383,10 +383,7 @@ class World:
             mpirun = self.mpirun or find_mpirun()
             if not mpirun:
                 raise WorldStartError("tdist.testing: launcher 'mpi' needs mpirun (none next to python or on PATH)")
-            env = self._env_for(None, self._token)
-            env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+            env = mpirun_env(self._env_for(None, self._token), self._logdir)
             cmd = [mpirun, "-n", str(self.world_size), "--oversubscribe", "--bind-to", "none"]
             cmd += self.mpirun_args + worker
             log = open(os.path.join(self._logdir, "mpirun.log"), "wb")
