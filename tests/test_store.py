@@ -8,13 +8,16 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator, List, Tuple
 
 import pytest
 
+import tdist
+
 from tdist._errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
-from tdist._store import FileStore, HashStore, PrefixStore, Store, TCPStore, TCPStoreServer
+from tdist._store import FileStore, HashStore, PrefixStore, Store, TCPStore, TCPStoreServer, TorchStore, as_torch_store
 from tdist._store import tcp_store
 
 SRC = str(Path(tcp_store.__file__).resolve().parents[2])  # core/src, for child processes
@@ -28,7 +31,7 @@ def _no_env_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(tcp_store.TOKEN_ENV, raising=False)
 
 
-@pytest.fixture(params=["hash", "file", "tcp", "prefix"])
+@pytest.fixture(params=["hash", "file", "tcp", "prefix", "torch"])
 def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tuple[Store, Opener]]:
     """A store and a function that opens another handle onto the same data."""
     opened: List[Store] = []
@@ -49,6 +52,12 @@ def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tuple[Sto
         store = track(TCPStore(HOST, 0, world_size=1, is_master=True, timeout=5))
         port = store.port  # type: ignore[attr-defined]
         opener = lambda: track(TCPStore(HOST, port, timeout=5))  # noqa: E731
+    elif kind == "torch":  # a torch.distributed.TCPStore used through tdist's Store interface
+        import torch.distributed as torch_dist
+
+        server = torch_dist.TCPStore(HOST, 0, 1, True, timeout=timedelta(seconds=5))
+        store = TorchStore(server)
+        opener = lambda: TorchStore(torch_dist.TCPStore(HOST, server.port, is_master=False, timeout=timedelta(seconds=5)))  # noqa: E731
     else:
         base = HashStore(timeout=5)
         base.set("unrelated", b"1")
@@ -85,7 +94,8 @@ def test_add(stores: Tuple[Store, Opener]) -> None:
     store.set("s", "12")
     assert store.add("s", 1) == 13
     store.set("text", "not a number")
-    with pytest.raises(DistStoreError, match="not an integer"):
+    # torch's own TCPStore server drops the client instead of answering: the error is still a DistStoreError
+    with pytest.raises(DistStoreError, match="failed" if isinstance(store, TorchStore) else "not an integer"):
         store.add("text", 1)
 
 
@@ -481,3 +491,32 @@ def test_client_does_not_hang_on_silent_server(monkeypatch: pytest.MonkeyPatch) 
     for conn in conns:
         conn.close()
     listener.close()
+
+
+@pytest.mark.timeout(30)
+def test_tdist_store_serves_torch() -> None:
+    """A tdist store handed to torch: torch's PrefixStore and torch's own gloo group run over it,
+    and the adapters unwrap instead of stacking."""
+    import torch
+    import torch.distributed as torch_dist
+
+    server = TCPStore(HOST, 0, world_size=1, is_master=True, timeout=5)
+    try:
+        wrapped = as_torch_store(server)
+        assert isinstance(wrapped, torch_dist.Store) and TorchStore(wrapped) is not server
+        assert tdist.from_torch_store(wrapped) is server and as_torch_store(TorchStore(wrapped)) is wrapped
+        prefixed = torch_dist.PrefixStore("job", wrapped)
+        prefixed.set("k", b"v")
+        assert server.get("job/k") == b"v"
+        assert prefixed.add("n", 2) == 2 and prefixed.compare_set("k", b"v", b"w") == b"w"
+        with pytest.raises(torch_dist.DistStoreError, match="(?i)timeout"):
+            prefixed.wait(["never"], timedelta(seconds=0.2))
+        torch_dist.init_process_group("gloo", store=prefixed, rank=0, world_size=1)
+        try:
+            t = torch.ones(3)
+            torch_dist.all_reduce(t)
+            assert t.tolist() == [1.0, 1.0, 1.0]
+        finally:
+            torch_dist.destroy_process_group()
+    finally:
+        server.close()

@@ -74,7 +74,7 @@ from ._objects import (
 )
 from ._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from ._reduce_op import ReduceOp, Reduction, make_premul_sum, reduce_op, supports_complex
-from ._store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from ._store import FileStore, HashStore, PrefixStore, Store, TCPStore, TorchStore, as_torch_store, from_torch_store
 from ._subgroups import new_subgroups, new_subgroups_by_enumeration
 from ._work import Work
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
@@ -107,7 +107,7 @@ __all__ = [
     # reductions and work
     "ReduceOp", "reduce_op", "Reduction", "make_premul_sum", "supports_complex", "Work",
     # stores
-    "Store", "TCPStore", "FileStore", "HashStore", "PrefixStore",
+    "Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "TorchStore", "as_torch_store", "from_torch_store",
     # errors
     "DistError", "DistBackendError", "DistStoreError", "DistNetworkError", "DistBackendTimeoutError",
     "DistStoreTimeoutError",

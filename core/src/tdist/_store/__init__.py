@@ -5,5 +5,7 @@ from .file_store import FileStore
 from .hash_store import HashStore
 from .prefix_store import PrefixStore
 from .tcp_store import TCPStore, TCPStoreServer
+from .torch_adapters import TorchStore, as_torch_store, from_torch_store
 
-__all__ = ["Store", "HashStore", "PrefixStore", "FileStore", "TCPStore", "TCPStoreServer"]
+__all__ = ["Store", "HashStore", "PrefixStore", "FileStore", "TCPStore", "TCPStoreServer", "TorchStore", "as_torch_store",
+           "from_torch_store"]

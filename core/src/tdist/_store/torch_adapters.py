@@ -1,0 +1,186 @@
+"""Stores both ways: a ``torch.distributed.Store`` used as a tdist :class:`Store`
+(:class:`TorchStore`), and a tdist store handed to torch (:func:`as_torch_store`).
+
+Neither adapter copies data or opens a connection: every call is forwarded to the
+wrapped store. Wrapping an adapter again gives back the store it wraps, so a store
+that travels tdist -> torch -> tdist is the original object.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from .._errors import DistError, DistStoreError, DistStoreTimeoutError
+from .._work import Timeout
+from .base import Store, Value, as_bytes
+
+if TYPE_CHECKING:
+    import torch.distributed
+
+__all__ = ["TorchStore", "as_torch_store", "from_torch_store"]
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    return "timeout" in str(exc).lower() or isinstance(exc, TimeoutError)
+
+
+class TorchStore(Store):
+    """A tdist :class:`Store` backed by a ``torch.distributed.Store`` (for example the
+    TCPStore torchrun's agent serves, or the store torch passes a backend).
+
+    Errors come back as tdist's: a timeout as :class:`DistStoreTimeoutError` naming the
+    keys, anything else the torch store raises as :class:`DistStoreError`.
+    """
+
+    def __init__(self, store: "torch.distributed.Store", timeout: Timeout = None) -> None:
+        own = getattr(store, "timeout", None)
+        default = timeout if timeout is not None else own
+        super().__init__(default if default is not None else timedelta(seconds=300))
+        self.torch_store = store
+        if timeout is not None:
+            store.set_timeout(self.timeout)
+
+    def __repr__(self) -> str:
+        return f"<TorchStore over {type(self.torch_store).__name__}>"
+
+    def _fail(self, what: str, keys: Sequence[str], exc: BaseException, limit: Optional[float] = None) -> DistError:
+        if _is_timeout(exc):
+            after = f" after {limit:g} s" if limit is not None else ""
+            return DistStoreTimeoutError(f"TorchStore: {what} timeout{after} waiting for keys {list(keys)} ({exc})")
+        return DistStoreError(f"TorchStore: {what} of keys {list(keys)} failed: {type(exc).__name__}: {exc}")
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        super().set_timeout(timeout)
+        self.torch_store.set_timeout(self.timeout)
+
+    def set(self, key: str, value: Value) -> None:
+        try:
+            self.torch_store.set(key, as_bytes(value))
+        except RuntimeError as exc:
+            raise self._fail("set", [key], exc) from None
+
+    def get(self, key: str, timeout: Timeout = None) -> bytes:
+        if timeout is not None:
+            self.wait([key], timeout)
+        try:
+            return bytes(self.torch_store.get(key))
+        except RuntimeError as exc:
+            raise self._fail("get", [key], exc, self._limit(None)) from None
+
+    def add(self, key: str, amount: int) -> int:
+        try:
+            return int(self.torch_store.add(key, int(amount)))
+        except RuntimeError as exc:
+            raise self._fail("add", [key], exc) from None
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        try:
+            return bytes(self.torch_store.compare_set(key, as_bytes(expected), as_bytes(desired)))
+        except RuntimeError as exc:
+            raise self._fail("compare_set", [key], exc) from None
+
+    def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:
+        limit = self._limit(timeout)
+        try:
+            self.torch_store.wait(list(keys), timedelta(seconds=limit))
+        except RuntimeError as exc:
+            raise self._fail("wait", keys, exc, limit) from None
+
+    def check(self, keys: Sequence[str]) -> bool:
+        try:
+            return bool(self.torch_store.check(list(keys)))
+        except RuntimeError as exc:
+            raise self._fail("check", keys, exc) from None
+
+    def delete_key(self, key: str) -> bool:
+        try:
+            return bool(self.torch_store.delete_key(key))
+        except RuntimeError as exc:
+            raise self._fail("delete_key", [key], exc) from None
+
+    def num_keys(self) -> int:
+        try:
+            return int(self.torch_store.num_keys())
+        except RuntimeError as exc:
+            raise self._fail("num_keys", [], exc) from None
+
+
+def _torch_store_class() -> Any:
+    """The ``torch.distributed.Store`` subclass over a tdist store (built on first use, so
+    importing tdist does not import torch.distributed)."""
+    global _TdistBackedStore
+    if _TdistBackedStore is not None:
+        return _TdistBackedStore
+    import torch.distributed as torch_dist
+
+    class TdistBackedStore(torch_dist.Store):
+        """A ``torch.distributed.Store`` whose every call goes to a tdist store; tdist's
+        timeout errors reach torch as ``torch.distributed.DistStoreError`` ("... timeout ...")."""
+
+        def __init__(self, store: Store) -> None:
+            super().__init__()
+            self.tdist_store = store
+
+        def _call(self, method: str, *args: Any) -> Any:
+            try:
+                return getattr(self.tdist_store, method)(*args)
+            except DistStoreError as exc:
+                text = str(exc)
+                if isinstance(exc, DistStoreTimeoutError) and "timeout" not in text.lower():
+                    text = f"timeout: {text}"  # torch's callers match on the word
+                raise torch_dist.DistStoreError(text) from exc
+
+        def set(self, key: str, value: Any) -> None:
+            self._call("set", key, value)
+
+        def get(self, key: str) -> bytes:
+            return self._call("get", key)
+
+        def add(self, key: str, amount: int) -> int:
+            return self._call("add", key, amount)
+
+        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+            return self._call("compare_set", key, expected, desired)
+
+        def wait(self, keys: Sequence[str], timeout: Optional[timedelta] = None) -> None:
+            self._call("wait", list(keys), timeout)
+
+        def check(self, keys: Sequence[str]) -> bool:
+            return self._call("check", list(keys))
+
+        def delete_key(self, key: str) -> bool:
+            return self._call("delete_key", key)
+
+        def num_keys(self) -> int:
+            return self._call("num_keys")
+
+        def set_timeout(self, timeout: timedelta) -> None:
+            self.tdist_store.set_timeout(timeout)
+
+    _TdistBackedStore = TdistBackedStore
+    return TdistBackedStore
+
+
+_TdistBackedStore: Any = None
+
+
+def as_torch_store(store: Store) -> "torch.distributed.Store":
+    """``store`` as a ``torch.distributed.Store`` (what ``torch.distributed.init_process_group(store=...)``,
+    torch's ``PrefixStore`` and torch's backends take). A :class:`TorchStore` gives back the
+    torch store it wraps."""
+    if isinstance(store, TorchStore):
+        return store.torch_store
+    if not isinstance(store, Store):
+        raise TypeError(f"as_torch_store: expected a tdist Store, got {type(store).__name__}")
+    return _torch_store_class()(store)
+
+
+def from_torch_store(store: Any, timeout: Timeout = None) -> Store:
+    """A ``torch.distributed.Store`` as a tdist :class:`Store`; a store :func:`as_torch_store`
+    made gives back the tdist store it wraps."""
+    inner = getattr(store, "tdist_store", None)
+    if isinstance(inner, Store):
+        return inner
+    return TorchStore(store, timeout)
+
