@@ -1,26 +1,49 @@
 """The control channel between a :class:`~tdist.testing.World` and its workers.
 
-Frames are an 8-byte big-endian length followed by a pickle. The channel uses
-pickle on purpose: it is a test harness talking to processes it started itself on
-127.0.0.1, never a network service, and results/exceptions are arbitrary Python
-objects. Tensors under test never travel through it (bodies return small values).
+A connection starts with a mutual handshake in raw bytes (no pickle): the worker
+sends ``MAGIC`` and a 32-byte nonce; the controller answers with its own nonce and
+``HMAC-SHA256(token, "controller" | worker nonce | controller nonce)``; the worker
+checks it and answers ``HMAC-SHA256(token, "worker" | controller nonce | worker
+nonce)``, which the controller checks. The token is a random secret the controller
+hands its workers in their environment. Either side hangs up on a wrong answer, and
+nothing received is unpickled before the other side has proved it knows the token:
+a local process that connects to the controller (or poses as one) runs no code.
+
+After the handshake, frames are an 8-byte big-endian length followed by a pickle:
+results and exceptions are arbitrary Python objects. Tensors under test never
+travel through it (bodies return small values). The controller listens on
+127.0.0.1 only.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import pickle
 import socket
 import struct
+import time
 from typing import Any
 
-__all__ = ["send_msg", "recv_msg", "ChannelClosed"]
+__all__ = ["send_msg", "recv_msg", "ChannelClosed", "AuthenticationFailed", "accept_worker", "join_controller",
+           "HANDSHAKE_TIMEOUT"]
 
 _HEADER = struct.Struct(">Q")
 _MAX_FRAME = 256 * 1024 * 1024
+MAGIC = b"TDKIT\x00\x00\x01"
+_NONCE = 32
+_DIGEST = hashlib.sha256().digest_size
+#: Seconds a whole handshake may take (each side), however the bytes trickle in.
+HANDSHAKE_TIMEOUT = 10.0
 
 
 class ChannelClosed(ConnectionError):
     """The other end of the control channel went away."""
+
+
+class AuthenticationFailed(ConnectionError):
+    """The other end of a new connection did not prove it knows the world's token."""
 
 
 def send_msg(sock: socket.socket, obj: Any) -> None:
@@ -29,9 +52,15 @@ def send_msg(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_HEADER.pack(len(payload)) + payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float = 0.0) -> bytes:
+    """``n`` bytes; with a ``deadline`` (time.monotonic), a socket.timeout once it passes."""
     chunks = []
     while n:
+        if deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise socket.timeout("handshake deadline passed")
+            sock.settimeout(remaining)
         chunk = sock.recv(min(n, 1 << 20))
         if not chunk:
             raise ChannelClosed("control channel closed")
@@ -41,8 +70,42 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def recv_msg(sock: socket.socket) -> Any:
-    """Receive one frame (blocking); raise :class:`ChannelClosed` at EOF."""
+    """Receive one frame (blocking); raise :class:`ChannelClosed` at EOF.
+    Only for a connection that passed the handshake."""
     (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
     if length > _MAX_FRAME:
         raise ChannelClosed(f"control frame of {length} bytes is too large")
     return pickle.loads(_recv_exact(sock, length))
+
+
+def _proof(token: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(token, role + first + second, hashlib.sha256).digest()
+
+
+def accept_worker(sock: socket.socket, token: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> None:
+    """Controller side: authenticate a new connection both ways within ``timeout``
+    seconds; raise :class:`AuthenticationFailed` (or OSError) otherwise. Reads raw bytes only."""
+    deadline = time.monotonic() + timeout
+    hello = _recv_exact(sock, len(MAGIC) + _NONCE, deadline)
+    if not hmac.compare_digest(hello[: len(MAGIC)], MAGIC):
+        raise AuthenticationFailed("not a tdist.testing worker (bad magic)")
+    worker_nonce, my_nonce = hello[len(MAGIC):], os.urandom(_NONCE)
+    sock.sendall(my_nonce + _proof(token, b"controller", worker_nonce, my_nonce))
+    answer = _recv_exact(sock, _DIGEST, deadline)
+    if not hmac.compare_digest(answer, _proof(token, b"worker", my_nonce, worker_nonce)):
+        raise AuthenticationFailed("the worker does not know the world's token")
+    sock.settimeout(None)
+
+
+def join_controller(sock: socket.socket, token: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> None:
+    """Worker side: prove knowledge of ``token`` and check that the controller knows it
+    too, before anything it sends is unpickled."""
+    deadline = time.monotonic() + timeout
+    my_nonce = os.urandom(_NONCE)
+    sock.sendall(MAGIC + my_nonce)
+    reply = _recv_exact(sock, _NONCE + _DIGEST, deadline)
+    controller_nonce, proof = reply[:_NONCE], reply[_NONCE:]
+    if not hmac.compare_digest(proof, _proof(token, b"controller", my_nonce, controller_nonce)):
+        raise AuthenticationFailed("the controller does not know the world's token")
+    sock.sendall(_proof(token, b"worker", controller_nonce, my_nonce))
+    sock.settimeout(None)

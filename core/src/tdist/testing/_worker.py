@@ -3,7 +3,8 @@
 It connects back to the controller, says which rank it is, then runs the
 ``module:qualname`` functions it is sent and replies with their result or
 error, until told to exit. It exits at once if the controller goes away.
-The control channel uses pickle (see :mod:`tdist.testing._protocol`).
+The control channel uses pickle, only after a mutual handshake that proves both
+ends know the world's token (see :mod:`tdist.testing._protocol`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ._common import (
     dist_module_name,
     resolve_ref,
 )
-from ._protocol import recv_msg, send_msg
+from ._protocol import AuthenticationFailed, join_controller, recv_msg, send_msg
 
 __all__ = ["init_process_group", "health_check", "describe_exception", "main"]
 
@@ -215,13 +216,14 @@ def main() -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     host, _, port = os.environ[CONTROLLER_ENV].rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=60)
-    sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    send_msg(
-        sock,
-        ("hello", {"rank": rank, "pid": os.getpid(), "token": os.environ.get(TOKEN_ENV, ""),
-                   "backend": os.environ.get(BACKEND_ENV, "")}),
-    )
+    try:
+        join_controller(sock, os.environ.get(TOKEN_ENV, "").encode())
+    except (OSError, AuthenticationFailed) as exc:
+        print(f"tdist.testing worker: refusing the controller at {host}:{port}: {exc}", file=sys.stderr)
+        _flush()
+        os._exit(18)
+    send_msg(sock, ("hello", {"rank": rank, "pid": os.getpid(), "backend": os.environ.get(BACKEND_ENV, "")}))
     inbox: "queue.Queue[Any]" = queue.Queue()
     reader = threading.Thread(target=_read_forever, args=(sock, inbox), name="tdist-testing-control", daemon=True)
     reader.start()

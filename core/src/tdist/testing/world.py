@@ -2,7 +2,9 @@
 
 A controller (the pytest process) listens on 127.0.0.1, starts the workers
 (``python -m tdist.testing._worker``, one process each, or the whole world
-under one ``mpirun``), waits for each to connect back and say its rank, asks
+under one ``mpirun``), waits for each to connect back, prove it knows the
+world's random token (and check that the controller does: see
+:mod:`tdist.testing._protocol`) and say its rank, asks
 them to ``init_process_group`` and then sends them bodies to run: a
 module-level function, by ``module:qualname``, with keyword arguments. Every
 rank runs the same call at once; the controller collects one reply per rank.
@@ -49,7 +51,7 @@ from ._common import (
     dist_module_name,
     fn_ref,
 )
-from ._protocol import ChannelClosed, recv_msg, send_msg
+from ._protocol import HANDSHAKE_TIMEOUT, accept_worker, recv_msg, send_msg
 
 __all__ = [
     "World",
@@ -361,7 +363,7 @@ class World:
         self._listener.settimeout(0.2)
         self.master_port = free_port()
         self._logdir = tempfile.mkdtemp(prefix=f"tdist-world-{self.backend}-{self.world_size}-")
-        self._token = secrets.token_hex(8)
+        self._token = secrets.token_hex(32)
         worker = [sys.executable, "-m", "tdist.testing._worker"]
         if self.launcher == "env":
             for rank in self.ranks:
@@ -417,14 +419,15 @@ class World:
                 conn, _ = self._listener.accept()
             except socket.timeout:
                 continue
-            conn.settimeout(30)
-            try:
+            try:  # nothing from the connection is unpickled before it has proved it knows the token
+                accept_worker(conn, self._token.encode())
+                conn.settimeout(HANDSHAKE_TIMEOUT)
                 kind, hello = recv_msg(conn)
-            except (OSError, ChannelClosed, pickle.UnpicklingError, ValueError):
+            except (OSError, pickle.UnpicklingError, ValueError):  # ChannelClosed and AuthenticationFailed too
                 conn.close()
                 continue
             rank = hello.get("rank") if isinstance(hello, dict) else None
-            if kind != "hello" or hello.get("token") != self._token or rank not in expected or rank in self._conns:
+            if kind != "hello" or rank not in expected or rank in self._conns:
                 conn.close()
                 continue
             conn.settimeout(None)
