@@ -18,6 +18,72 @@ def test_op_before_init_raises():
         dist.get_rank()
 
 
+_T = torch.ones(2)
+#: Calls made before init_process_group, run on torch.distributed and on tdist.
+_BEFORE_INIT = {
+    "get_rank": lambda m: m.get_rank(),
+    "get_world_size": lambda m: m.get_world_size(),
+    "get_backend": lambda m: m.get_backend(),
+    "barrier": lambda m: m.barrier(),
+    "all_reduce": lambda m: m.all_reduce(_T),
+    "broadcast": lambda m: m.broadcast(_T, 0),
+    "all_gather_into_tensor": lambda m: m.all_gather_into_tensor(torch.ones(4), _T),
+    "send": lambda m: m.send(_T, 1),
+    "irecv": lambda m: m.irecv(_T, 1),
+    "batch_isend_irecv": lambda m: m.batch_isend_irecv([m.P2POp(m.isend, _T, 1)]),
+    "monitored_barrier": lambda m: m.monitored_barrier(),
+    "gather_object": lambda m: m.gather_object(1, [None], 0),
+    "new_group": lambda m: m.new_group([0]),
+    "destroy_process_group": lambda m: m.destroy_process_group(),
+}
+
+
+def _raised(call) -> BaseException:
+    with pytest.raises(Exception) as info:
+        call()
+    return info.value
+
+
+@pytest.mark.parametrize("name", sorted(_BEFORE_INIT))
+def test_calls_before_init_raise_what_torch_raises(name):
+    """torch.distributed raises ValueError (AssertionError for destroy_process_group); tdist
+    raises a DistError that is also that type."""
+    import torch.distributed as td
+
+    theirs, ours = _raised(lambda: _BEFORE_INIT[name](td)), _raised(lambda: _BEFORE_INIT[name](dist))
+    assert isinstance(ours, dist.DistError) and "not initialized" in str(ours), repr(ours)
+    assert type(theirs) in (ValueError, AssertionError), repr(theirs)
+    assert isinstance(ours, type(theirs)), f"torch raises {theirs!r}, tdist {ours!r}"
+
+
+@pytest.mark.parametrize("module", ["torch.distributed", "tdist"])
+def test_calls_after_destroy_raise_value_error(module, monkeypatch):
+    """After destroy_process_group, and on a destroyed group: ValueError in both (a
+    DistStateError in tdist); a second init_process_group too."""
+    import importlib
+
+    m = importlib.import_module(module)
+    backend = "gloo" if module == "torch.distributed" else "tcp"
+    m.init_process_group(backend, store=m.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="twice|already initialized"):
+            m.init_process_group(backend, store=m.HashStore(), rank=0, world_size=1)
+        sub = m.new_group([0])
+        m.destroy_process_group(sub)
+        with pytest.raises(ValueError):
+            m.get_rank(sub)
+        with pytest.raises(ValueError):
+            m.destroy_process_group(sub)
+    finally:
+        m.destroy_process_group()
+    for call in (lambda: m.all_reduce(_T), m.get_rank, lambda: m.new_group([0])):
+        error = _raised(call)
+        assert isinstance(error, ValueError), repr(error)
+        assert module == "torch.distributed" or isinstance(error, dist.DistStateError), repr(error)
+    with pytest.raises(AssertionError):
+        m.destroy_process_group()
+
+
 def test_unknown_backend_names_installed_and_package():
     with pytest.raises(dist.DistError, match=r"'nosuch' is not installed \(installed: .*tcp.*\); pip install tdist-nosuch"):
         dist.init_process_group("nosuch", store=dist.HashStore(), rank=0, world_size=1)

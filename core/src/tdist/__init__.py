@@ -33,6 +33,7 @@ from ._errors import (
     DistBackendTimeoutError,
     DistError,
     DistNetworkError,
+    DistStateError,
     DistStoreError,
     DistStoreTimeoutError,
 )
@@ -110,7 +111,7 @@ __all__ = [
     "Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "TorchStore", "as_torch_store", "from_torch_store",
     # errors
     "DistError", "DistBackendError", "DistStoreError", "DistNetworkError", "DistBackendTimeoutError",
-    "DistStoreTimeoutError",
+    "DistStoreTimeoutError", "DistStateError",
     # plugin contract
     "Backend", "BackendSpec", "OPERATIONS", "ANY_SOURCE_OP", "hookimpl", "HOOKSPEC_VERSION",
 ]

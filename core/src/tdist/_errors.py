@@ -2,7 +2,9 @@
 
 Every error is a :class:`DistError`. Errors that come from waiting too long are
 also :class:`TimeoutError`, so ``except TimeoutError`` catches them whatever
-layer timed out.
+layer timed out; calls that do not fit the current state (before
+``init_process_group``, after ``destroy_process_group``) are also the
+``ValueError`` torch.distributed raises there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ __all__ = [
     "DistNetworkError",
     "DistBackendTimeoutError",
     "DistStoreTimeoutError",
+    "DistStateError",
+    "NotInitializedAssertion",
 ]
 
 
@@ -39,3 +43,14 @@ class DistBackendTimeoutError(DistBackendError, TimeoutError):
 
 class DistStoreTimeoutError(DistStoreError, TimeoutError):
     """A store operation (get, wait, rendezvous) did not complete within its timeout."""
+
+
+class DistStateError(DistError, ValueError):
+    """A call that does not fit the current state: before ``init_process_group`` or
+    after ``destroy_process_group``, ``init_process_group`` twice, or on a destroyed
+    group. Also a ``ValueError``, as torch.distributed raises in these cases."""
+
+
+class NotInitializedAssertion(DistStateError, AssertionError):
+    """``destroy_process_group()`` with nothing initialized: torch.distributed raises
+    ``AssertionError`` there, so this is one too (and a :class:`DistStateError`)."""

@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ._backend import Backend, BackendSpec
-from ._errors import DistError
+from ._errors import DistError, DistStateError
 
 if TYPE_CHECKING:
     from ._store.base import Store
@@ -154,7 +154,7 @@ def is_initialized() -> bool:
 
 def _require_init() -> ProcessGroup:
     if STATE.world is None:
-        raise DistError("default process group is not initialized: call tdist.init_process_group() first")
+        raise DistStateError("default process group is not initialized: call tdist.init_process_group() first")
     return STATE.world
 
 
@@ -170,7 +170,7 @@ def resolve_group(group: Any) -> Optional[ProcessGroup]:
         return None
     if isinstance(group, ProcessGroup):
         if group not in STATE.groups:
-            raise DistError(f"group {group.name!r} was destroyed or belongs to an earlier init_process_group")
+            raise DistStateError(f"group {group.name!r} was destroyed or belongs to an earlier init_process_group")
         return group
     raise TypeError(f"group must be a group returned by tdist.new_group() or None, got {group!r}")
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 from ._backend import Backend, BackendSpec
-from ._errors import DistError, DistStoreTimeoutError
+from ._errors import DistError, DistStateError, DistStoreTimeoutError, NotInitializedAssertion
 from ._groups import STATE, GroupMember, ProcessGroup, resolve_group
 from ._plugins import plugins
 from ._store import PrefixStore
@@ -248,7 +248,7 @@ def init_process_group(
     GPU backend connect eagerly) added as ``pg_options["device_id"]`` when given.
     """
     if STATE.world is not None:
-        raise DistError("init_process_group: already initialized; call tdist.destroy_process_group() first")
+        raise DistStateError("init_process_group: already initialized; call tdist.destroy_process_group() first")
     if timeout is None:
         timeout = default_pg_timeout
     if not isinstance(timeout, timedelta):
@@ -342,6 +342,8 @@ def destroy_process_group(group: Any = None) -> None:
     one, after which ``init_process_group`` may be called again."""
     if group is GroupMember.NON_GROUP_MEMBER:
         return
+    if group is None and STATE.world is None:
+        raise NotInitializedAssertion("destroy_process_group: the default process group is not initialized")
     pg = resolve_group(group)
     if group is not None and pg is not STATE.world:
         assert pg is not None

@@ -76,6 +76,17 @@ def broadcast_object_list(object_list: list[Any], src: Optional[int] = None, gro
     return None
 
 
+def _padded_payload(pg: ProcessGroup, obj: Any, group: Any) -> tuple[Any, list[int]]:
+    """``obj`` pickled, zero-padded to the longest payload of the group; every rank's size."""
+    device = _device(pg)
+    payload = _encode(obj, device)
+    sizes = _sizes(pg.size, device)
+    coll.all_gather_into_tensor(sizes, _sizes(1, device).fill_(payload.numel()), group=group)
+    padded = payload.new_zeros(int(sizes.max()))
+    padded[: payload.numel()] = payload
+    return padded, sizes.tolist()
+
+
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
     """``object_list[i]`` receives rank i's ``obj`` (``object_list`` has the group's size)."""
     pg = resolve_group(group)
@@ -83,16 +94,11 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
         return warn_not_member("all_gather_object")
     if len(object_list) != pg.size:
         raise ValueError(f"all_gather_object: object_list has {len(object_list)} items, expected {pg.size}")
-    device = _device(pg)
-    payload = _encode(obj, device)
-    sizes = _sizes(pg.size, device)
-    coll.all_gather_into_tensor(sizes, _sizes(1, device).fill_(payload.numel()), group=group)
-    longest = int(sizes.max())
-    padded = payload.new_zeros(longest)
-    padded[: payload.numel()] = payload
-    gathered = payload.new_empty(longest * pg.size)
+    padded, sizes = _padded_payload(pg, obj, group)
+    longest = padded.numel()
+    gathered = padded.new_empty(longest * pg.size)
     coll.all_gather_into_tensor(gathered, padded, group=group)
-    for i, size in enumerate(sizes.tolist()):
+    for i, size in enumerate(sizes):
         object_list[i] = _decode(gathered[i * longest:(i + 1) * longest], size)
     return None
 
@@ -100,17 +106,18 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
 def gather_object(obj: Any, object_gather_list: Optional[list[Any]] = None, dst: Optional[int] = None,
                   group: Any = None, group_dst: Optional[int] = None) -> None:
     """On rank ``dst`` (default: the group's first; or group rank ``group_dst``),
-    ``object_gather_list[i]`` receives rank i's ``obj``."""
+    ``object_gather_list[i]`` receives rank i's ``obj``. Only the destination unpickles."""
     pg = resolve_group(group)
     if pg is None:
         return warn_not_member("gather_object")
     root = peer_rank("gather_object", pg, "dst", dst, group_dst, default=0)
-    gathered: list[Any] = [None] * pg.size
-    all_gather_object(gathered, obj, group=group)
-    if pg.rank == root:
+    padded, sizes = _padded_payload(pg, obj, group)
+    pieces = [padded.new_empty(padded.numel()) for _ in range(pg.size)] if pg.rank == root else None
+    coll.gather(padded, pieces, group=group, group_dst=root)
+    if pieces is not None:  # checked after the gather, so that the other ranks are not left waiting
         if object_gather_list is None or len(object_gather_list) != pg.size:
             raise ValueError(f"gather_object: object_gather_list must have {pg.size} items on the destination rank")
-        object_gather_list[:] = gathered
+        object_gather_list[:] = [_decode(piece, size) for piece, size in zip(pieces, sizes)]
     return None
 
 

@@ -45,9 +45,29 @@ def all_gather_object(group: str = "world"):
     assert_equal(gathered, [_obj(m) for m in s.members], "all_gather_object")
 
 
+#: The ranks whose :class:`_Tracked` objects this process has unpickled.
+_UNPICKLED: list[int] = []
+
+
+def _unpickle_tracked(rank: int) -> tuple[str, int]:
+    _UNPICKLED.append(rank)
+    return ("unpickled", rank)
+
+
+class _Tracked:
+    """An object whose unpickling is recorded in :data:`_UNPICKLED` of the unpickling process."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __reduce__(self) -> Any:
+        return (_unpickle_tracked, (self.rank,))
+
+
 @body(params=_GROUPS)
 def gather_object(group: str = "world"):
-    """Only the destination's list is filled; destination by dst and by group_dst."""
+    """Only the destination's list is filled, and only the destination unpickles the
+    objects; destination by dst and by group_dst."""
     s = Sub(group)
     if not s.is_member:
         return
@@ -57,6 +77,14 @@ def gather_object(group: str = "world"):
             dist.gather_object(_obj(s.rank), out, **how, **s.kw)
             if s.rank == dst:
                 assert_equal(out, [_obj(m) for m in s.members], f"gather_object to {how}")
+    dst = s.members[-1]
+    _UNPICKLED.clear()
+    out = [None] * s.size if s.rank == dst else None
+    dist.gather_object(_Tracked(s.rank), out, dst=dst, **s.kw)
+    if s.rank == dst:
+        assert_equal(out, [("unpickled", m) for m in s.members], "gather_object of tracked objects")
+    assert_equal(sorted(_UNPICKLED), sorted(s.members) if s.rank == dst else [],
+                 f"objects unpickled on rank {s.rank} by gather_object to rank {dst}")
 
 
 @body(params=_GROUPS)
