@@ -126,3 +126,69 @@ def test_work_hooks_observe_issue_and_completion():
     finally:
         reset_plugins()
     assert seen == [("issued", "all_reduce", [(2, 3)], 24), ("completed", "all_reduce", True)]
+
+
+def test_misspelled_hook_refuses_the_plugin_and_names_the_hook():
+    plugin = make_backend_plugin("typo")
+
+    @tdist.hookimpl
+    def tdist_work_complete(info, duration):  # the contract's hook is tdist_work_completed
+        pass
+
+    plugin.tdist_work_complete = tdist_work_complete
+    loaded = Plugins([FakeEntryPoint("typo", plugin), FakeEntryPoint("good", make_backend_plugin("good"))])
+    record = next(r for r in loaded.records if r.name == "typo")
+    assert not record.loaded
+    assert "'tdist_work_complete'" in record.error and "did you mean 'tdist_work_completed'" in record.error
+    assert loaded.backends.names() == ["good"]
+    with pytest.raises(tdist.DistError, match="tdist_work_complete"):
+        Plugins([]).register(plugin, "typo")
+
+
+def test_failing_registration_leaves_nothing_of_the_plugin_behind():
+    plugin = types.ModuleType("half")
+    plugin.TDIST_HOOKSPEC_VERSION = "1.0"
+
+    @tdist.hookimpl
+    def tdist_register_backends(registry):
+        registry.add(tdist.BackendSpec(name="half", factory=lambda **kw: None, operations={"cpu": frozenset()}))
+
+    @tdist.hookimpl
+    def tdist_register_rendezvous(registry):
+        registry.add("half", lambda *a, **kw: None)
+        raise RuntimeError("boom after registering")
+
+    @tdist.hookimpl
+    def tdist_work_issued(info):
+        pass
+
+    plugin.tdist_register_backends = tdist_register_backends
+    plugin.tdist_register_rendezvous = tdist_register_rendezvous
+    plugin.tdist_work_issued = tdist_work_issued
+    loaded = Plugins([FakeEntryPoint("half", plugin), FakeEntryPoint("good", make_backend_plugin("good"))])
+    assert "boom after registering" in loaded.records[0].error
+    assert loaded.backends.names() == ["good"] and "half" not in loaded.rendezvous.schemes()
+    assert not loaded.observes_work
+    with pytest.raises(tdist.DistError, match="boom after registering"):
+        Plugins([]).register(plugin, "half")
+
+
+def test_a_work_completes_exactly_once():
+    work = tdist.Work("all_reduce")
+    work.set_result(["first"])
+    with pytest.raises(tdist.DistError, match="all_reduce: set_result\\(\\) on a Work that already succeeded"):
+        work.set_result(["second"])
+    with pytest.raises(tdist.DistError, match="set_exception\\(\\) on a Work that already succeeded"):
+        work.set_exception(tdist.DistBackendError("late"))
+    assert work.result() == ["first"] and work.is_success()
+    failed = tdist.Work("recv")
+    failed.set_exception(tdist.DistBackendError("peer died"))
+    with pytest.raises(tdist.DistError, match="already failed with DistBackendError"):
+        failed.set_result([])
+
+
+def test_source_rank_of_a_work_completed_without_one_says_so():
+    work = tdist.Work.completed("recv", ["tensor"])
+    with pytest.raises(tdist.DistBackendError, match="recv: this Work completed without a source rank.*source_rank="):
+        work.source_rank()
+    assert tdist.Work.completed("recv", ["tensor"], source_rank=1).source_rank() == 1

@@ -1,16 +1,20 @@
 """Plugin loading: the lazily created plugin manager and the registries plugins fill.
 
 Entry points in the group ``tdist`` are loaded on first use, each in isolation:
-a plugin that fails to import, or that was written for another major version of
-the hook contract, is recorded as unavailable with its reason and never breaks
-``import tdist`` or another plugin. ``TDIST_DISABLED_PLUGINS`` (comma-separated
-entry-point names) blocks named plugins.
+a plugin that fails to import, that was written for another major version of
+the hook contract, that implements a hook the contract does not have (a
+misspelled name), or whose registration hook raises, is recorded as not loaded
+with its reason and never breaks ``import tdist`` or another plugin. Loading is
+all or nothing per plugin: a refused plugin leaves no backend, init method or
+hook behind. ``TDIST_DISABLED_PLUGINS`` (comma-separated entry-point names)
+blocks named plugins.
 
 The core calls hooks only through :class:`Plugins`' typed methods.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import os
 import threading
@@ -121,6 +125,27 @@ def _disabled_names() -> set[str]:
     return {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
 
 
+def _hook_names() -> list[str]:
+    return [name for name in dir(hookspecs) if name.startswith("tdist_")]
+
+
+def _unknown_hook_error(pm: pluggy.PluginManager) -> Optional[str]:
+    """Why the plugin just registered with ``pm`` implements a hook the contract lacks, or None."""
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError:
+        pass
+    else:
+        return None
+    unknown = sorted(name for name in vars(pm.hook) if not name.startswith("_")
+                     and not getattr(pm.hook, name).has_spec() and getattr(pm.hook, name).get_hookimpls())
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, _hook_names(), n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"implements {', '.join(hints)}, which tdist has no hook for (hooks: {', '.join(_hook_names())})"
+
+
 def _version_error(plugin: Any) -> Optional[str]:
     declared = getattr(plugin, "TDIST_HOOKSPEC_VERSION", None)
     major, minor = hookspecs.HOOKSPEC_VERSION
@@ -152,6 +177,9 @@ class Plugins:
         self.rendezvous = RendezvousRegistry()
         for record, plugin in self._loaded:
             self._register_from(record, plugin)
+        self._update_work_hooks()
+
+    def _update_work_hooks(self) -> None:
         self._work_hooks = any(
             getattr(self._pm.hook, name).get_hookimpls()
             for name in ("tdist_work_issued", "tdist_work_completed", "tdist_work_failed")
@@ -174,14 +202,25 @@ class Plugins:
         if problem:
             record.error = problem
             return
+        record.error = self._add_to_manager(plugin, ep.name)
+        if record.error is None:
+            self._loaded.append((record, plugin))
+
+    def _add_to_manager(self, plugin: Any, name: str) -> Optional[str]:
+        """Register ``plugin``'s hooks with the plugin manager; why not, or None."""
         try:
-            self._pm.register(plugin, name=ep.name)
+            self._pm.register(plugin, name=name)
         except Exception as exc:
-            record.error = f"rejected by the plugin manager: {exc}"
-            return
-        self._loaded.append((record, plugin))
+            return f"rejected by the plugin manager: {exc}"
+        problem = _unknown_hook_error(self._pm)
+        if problem:
+            self._pm.unregister(plugin)
+        return problem
 
     def _register_from(self, record: PluginRecord, plugin: Any) -> None:
+        """Run the plugin's registration hooks; if one fails, undo everything the plugin
+        registered (backends, init methods, hooks) and record why."""
+        backends, schemes = dict(self.backends._specs), dict(self.rendezvous._handlers)
         for hook_name, registry in (
             ("tdist_register_backends", self.backends),
             ("tdist_register_rendezvous", self.rendezvous),
@@ -194,6 +233,9 @@ class Plugins:
                 impl(registry=registry)
             except Exception as exc:
                 record.error = f"{hook_name} failed: {type(exc).__name__}: {exc}"
+                self.backends._specs, self.rendezvous._handlers = backends, schemes
+                self._pm.unregister(plugin)
+                return
 
     # ------------------------------------------------------------- typed calls
     @property
@@ -218,13 +260,15 @@ class Plugins:
         problem = _version_error(plugin)
         if problem:
             raise DistError(f"plugin {name!r} refused: {problem}")
+        problem = self._add_to_manager(plugin, name)
+        if problem:
+            raise DistError(f"plugin {name!r} refused: {problem}")
         record = PluginRecord(name, name, "")
         self.records.append(record)
-        self._pm.register(plugin, name=name)
         self._register_from(record, plugin)
-        self._work_hooks = self._work_hooks or any(
-            hasattr(plugin, n) for n in ("tdist_work_issued", "tdist_work_completed", "tdist_work_failed")
-        )
+        self._update_work_hooks()
+        if record.error:
+            raise DistError(f"plugin {name!r} refused: {record.error}")
 
     def missing_backend_message(self, name: str) -> str:
         """The error text for a backend that is not installed or not loadable."""

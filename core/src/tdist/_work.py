@@ -12,7 +12,7 @@ import threading
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ._errors import DistBackendError, DistBackendTimeoutError
+from ._errors import DistBackendError, DistBackendTimeoutError, DistError
 
 __all__ = ["Work", "Timeout", "seconds"]
 
@@ -58,18 +58,23 @@ class Work:
         return work
 
     def set_result(self, result: Sequence[Any] = (), source_rank: int = -1) -> None:
-        """Mark the operation done with ``result`` (its output tensors)."""
-        self._result = result
-        self._source_rank = source_rank
-        self._finish()
+        """Mark the operation done with ``result`` (its output tensors); a receive also
+        passes ``source_rank``, the sender's group rank. A Work completes exactly once:
+        completing it again raises :class:`DistError`."""
+        self._finish("set_result", result, source_rank, None)
 
     def set_exception(self, exc: BaseException) -> None:
-        """Mark the operation failed with ``exc``; ``wait`` will raise it."""
-        self._exc = exc
-        self._finish()
+        """Mark the operation failed with ``exc``; ``wait`` will raise it. Raises
+        :class:`DistError` if the Work is already complete."""
+        self._finish("set_exception", (), -1, exc)
 
-    def _finish(self) -> None:
+    def _finish(self, how: str, result: Sequence[Any], source_rank: int, exc: Optional[BaseException]) -> None:
         with self._lock:
+            if self._done:
+                state = f"failed with {type(self._exc).__name__}" if self._exc is not None else "succeeded"
+                raise DistError(f"{self.op}: {how}() on a Work that already {state}; a backend completes "
+                                "each Work exactly once")
+            self._result, self._source_rank, self._exc = result, source_rank, exc
             self._done = True
             if self._event is not None:
                 self._event.set()
@@ -128,7 +133,10 @@ class Work:
         """For a ``recv``/``irecv``: the group rank the message came from (waits)."""
         self.wait()
         if self._source_rank < 0:
-            raise DistBackendError(f"{self.op}: source_rank() is only defined for receives")
+            raise DistBackendError(
+                f"{self.op}: this Work completed without a source rank. Only receives have one, and a "
+                "backend must complete a receive with set_result(outputs, source_rank=<sender's group rank>)"
+            )
         return self._source_rank
 
     def synchronize(self) -> None:
