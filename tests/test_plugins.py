@@ -192,3 +192,38 @@ def test_source_rank_of_a_work_completed_without_one_says_so():
     with pytest.raises(tdist.DistBackendError, match="recv: this Work completed without a source rank.*source_rank="):
         work.source_rank()
     assert tdist.Work.completed("recv", ["tensor"], source_rank=1).source_rank() == 1
+
+
+def _record_work_seq() -> list:
+    """(op, seq) of every operation this rank issues after registering an observer:
+    a send/recv between ranks 0 and 1 only, then collectives, then one the other way."""
+    import torch
+
+    from tdist._plugins import plugins
+
+    seen: list = []
+    observer = types.ModuleType("seq_observer")
+    observer.TDIST_HOOKSPEC_VERSION = "1.0"
+    observer.tdist_work_issued = tdist.hookimpl(lambda info: seen.append((info.op, info.seq)))
+    plugins().register(observer, "seq_observer")
+    rank, t = tdist.get_rank(), torch.ones(1)
+    if rank < 2:
+        tdist.send(t, 1) if rank == 0 else tdist.recv(t, 0)
+    tdist.all_reduce(t)
+    tdist.barrier()
+    if rank < 2:
+        tdist.isend(t, 0).wait() if rank == 1 else tdist.irecv(t, 1).wait()
+    tdist.broadcast(t, 0)
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_collective_seq_is_the_same_on_every_rank_and_p2p_has_its_own():
+    from tdist.testing import World
+
+    with World.spawn("tcp", 3, pg_timeout=30) as world:
+        seen = world.run(_record_work_seq, timeout=60)
+    collectives = [("all_reduce", 1), ("barrier", 2), ("broadcast", 3)]
+    assert seen[0] == [("send", 1), *collectives[:2], ("recv", 2), collectives[2]], seen
+    assert seen[1] == [("recv", 1), *collectives[:2], ("send", 2), collectives[2]], seen
+    assert seen[2] == collectives, seen

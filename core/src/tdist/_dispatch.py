@@ -16,7 +16,10 @@ from ._work import Timeout, Work
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["issue", "contiguous_view", "device_of"]
+__all__ = ["issue", "contiguous_view", "device_of", "POINT_TO_POINT"]
+
+#: The operations numbered by the group's point-to-point counter (the others are collectives).
+POINT_TO_POINT = frozenset({"send", "recv"})
 
 
 def device_of(tensors: Sequence["torch.Tensor"], operation: str) -> str:
@@ -135,7 +138,7 @@ def issue(
     ``tensors`` describe the operation to the work hooks (ignored when none observe).
     """
     backend = pg.backend_for(device, operation)
-    seq = pg.next_seq()
+    seq = pg.next_p2p_seq() if operation in POINT_TO_POINT else pg.next_seq()
     info = _describe(pg, operation, seq, tensors) if plugins().observes_work else None
     work = call(backend)
     if not isinstance(work, Work):

@@ -63,14 +63,23 @@ class ProcessGroup:
         self.timeout = timeout
         self.backend_name = backend_name
         self.seq = 0
+        self.p2p_seq = 0
         self._global_to_group = {g: i for i, g in enumerate(self.ranks)}
         self._lock = threading.Lock()
 
     def next_seq(self) -> int:
-        """Advance and return this group's operation counter (same on every rank)."""
+        """Advance and return this group's collective counter: every member calls every
+        collective, so the n-th collective has number n on every rank."""
         with self._lock:
             self.seq += 1
             return self.seq
+
+    def next_p2p_seq(self) -> int:
+        """Advance and return this rank's point-to-point counter in this group (sends and
+        receives involve only some ranks, so it differs between ranks)."""
+        with self._lock:
+            self.p2p_seq += 1
+            return self.p2p_seq
 
     def group_rank(self, global_rank: int, what: str = "rank") -> int:
         """The group rank of ``global_rank``; a clear error if it is not a member."""

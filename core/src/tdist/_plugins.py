@@ -95,7 +95,13 @@ class RendezvousRegistry:
 
 @dataclass
 class WorkInfo:
-    """What the work hooks observe about one operation."""
+    """What the work hooks observe about one operation.
+
+    ``seq`` numbers the group's operations of one kind: for a collective, the group's
+    collective counter (the n-th collective of a group has ``seq`` n on every rank, so
+    it matches a collective across ranks); for ``send``/``recv``, this rank's own count
+    of point-to-point operations in the group (not comparable between ranks).
+    """
 
     op: str
     group: str

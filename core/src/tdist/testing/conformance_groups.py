@@ -217,8 +217,12 @@ def barrier_timeout():
 
 @body(requires=("monitored_barrier",))
 def monitored_barrier():
-    """monitored_barrier passes when every rank arrives (also wait_all_ranks=True, and in a subgroup)."""
-    n = dist.get_world_size()
+    """monitored_barrier passes when every rank arrives (also wait_all_ranks=True, and in a
+    subgroup), also after a send/recv that only ranks 0 and 1 took part in."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    if n > 1 and r < 2:
+        t = _torch().ones(1)
+        dist.send(t, 1) if r == 0 else dist.recv(t, 0)
     dist.monitored_barrier(timeout=timedelta(seconds=30))
     dist.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
     members = subgroup_ranks(n)
