@@ -179,6 +179,33 @@ def test_rank_that_disagrees_with_mpi_is_an_error_on_every_rank(mpi_ready):
     assert "world_size=5 was passed but the MPI job has 2 ranks" in wrong_size.output
 
 
+def test_started_by_a_launcher_that_is_not_mpi_is_refused(mpi_ready, tmp_path):
+    """tdistrun sets RANK/WORLD_SIZE=2 but starts two MPI singletons: each would be rank 0
+    of a 1-process world (all_reduce of ones = 1). Every process must refuse instead."""
+    import os
+    import signal
+    import tempfile
+
+    from mpi_helpers import PROGRAMS
+    from tdist._local import mpirun_env
+
+    env = mpirun_env(dict(os.environ, PYTHONUNBUFFERED="1"), tempfile.mkdtemp(dir=tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "tdist.launch", "--nproc_per_node", "2",
+                             str(PROGRAMS / "all_reduce_ones.py")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert "RESULT" not in out, out[-4000:]
+    assert proc.returncode != 0, out[-4000:]
+    assert "the launcher set WORLD_SIZE=2 but MPI_COMM_WORLD has 1 rank(s)" in out, out[-4000:]
+    assert "start the program with mpirun -n N" in out, out[-4000:]
+
+
 # -------------------------------------------------------------------- benchmark
 def test_bench_overhead_runs(mpi_ready):
     result = run_mpi(2, str(ROOT / "bench_overhead.py"), "--sizes", "4,65536", "--rounds", "2", timeout=120)

@@ -8,13 +8,17 @@ broadcasts ``host:port`` with ``MPI_Bcast`` of a fixed-size byte buffer; the oth
 ranks connect. ``mpi://HOST:PORT`` fixes the address rank 0 binds and advertises.
 
 A ``rank=`` or ``world_size=`` that disagrees with MPI is an error on every rank
-(the check is agreed with an MPI_Allgather, so no rank is left waiting).
+(the check is agreed with an MPI_Allgather, so no rank is left waiting), and so are
+``RANK`` / ``WORLD_SIZE`` environment variables that disagree: a launcher that is not
+MPI's (tdistrun, torchrun) starts processes MPI does not connect, each of which would
+otherwise be rank 0 of its own one-process world and compute wrong results silently.
 ``world_size=0`` means "not given", as torch.distributed's MPI tutorial passes
 ``rank=0, world_size=0`` on every rank.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import urllib.parse
 from datetime import timedelta
@@ -51,6 +55,26 @@ def _host_address() -> str:
     return host
 
 
+def _launcher_problem(me: int, n: int) -> str:
+    """Why RANK / WORLD_SIZE (set by a launcher such as tdistrun or torchrun) contradict
+    MPI's world, or ""."""
+    for name, mpi_value, what in (("WORLD_SIZE", n, f"MPI_COMM_WORLD has {n} rank(s)"),
+                                  ("RANK", me, f"this process is MPI rank {me} of {n}")):
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            return f"the environment sets {name}={raw!r}, which is not an integer"
+        if value != mpi_value:
+            hint = (" (this process was not started by mpirun: MPI sees it alone, as rank 0 of 1)"
+                    if n == 1 else "")
+            return (f"the launcher set {name}={value} but {what}{hint}; the mpi backend takes its ranks "
+                    "from MPI: start the program with mpirun -n N, not tdistrun or torchrun")
+    return ""
+
+
 def mpi_rendezvous(
     url: urllib.parse.SplitResult, *, rank: int, world_size: int, timeout: float, group_name: str
 ) -> tuple[Store, int, int]:
@@ -60,22 +84,22 @@ def mpi_rendezvous(
     me, n = rt.world_rank, rt.world_size
     if world_size == 0:  # the tutorial's init_process(0, 0, run, backend="mpi")
         rank = world_size = -1
-    problem = ""
+    from_mpi = ("; under mpirun the rank and world size come from MPI (omit rank= and world_size=, "
+                "or pass MPI's values)")
     if world_size > 0 and world_size != n:
-        problem = f"world_size={world_size} was passed but the MPI job has {n} ranks"
+        problem = f"world_size={world_size} was passed but the MPI job has {n} ranks" + from_mpi
     elif rank >= 0 and rank != me:
-        problem = f"rank={rank} was passed but this process is MPI rank {me}"
+        problem = f"rank={rank} was passed but this process is MPI rank {me}" + from_mpi
+    else:
+        problem = _launcher_problem(me, n)
     try:
         flags = np.zeros(n, dtype=np.int32)
         with rt.lock:
             world.Allgather([np.array([1 if problem else 0], dtype=np.int32), MPI.INT], [flags, MPI.INT])
         if flags.any():
             bad = [int(r) for r in np.flatnonzero(flags)]
-            detail = problem or f"MPI rank(s) {bad} passed a rank or world_size that disagrees with MPI"
-            raise ValueError(
-                f"mpi:// rendezvous: {detail}; under mpirun the rank and world size come from MPI "
-                "(omit rank= and world_size=, or pass MPI's values)"
-            )
+            detail = problem or f"MPI rank(s) {bad} have a rank or world size that disagrees with MPI"
+            raise ValueError(f"mpi:// rendezvous: {detail}")
         host = url.hostname or ""
         try:
             port = url.port or 0
