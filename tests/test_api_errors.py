@@ -111,6 +111,65 @@ def test_bad_init_arguments(kwargs, message, monkeypatch):
     assert not dist.is_initialized()
 
 
+def _planted(tmp_path, kind: str) -> str:
+    """A path a file:// rendezvous must refuse at once."""
+    import os
+
+    if kind == "/dev/null":
+        return "/dev/null"
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+        return str(tmp_path / "fifo")
+    if kind == "directory":
+        return str(tmp_path)
+    shared = tmp_path / "shared"  # world-writable and sticky, like /tmp
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    (tmp_path / "target").write_text("")
+    os.symlink(tmp_path / "target", shared / "link")
+    return str(shared / "link")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind, message", [("/dev/null", "is a character device"), ("fifo", "is a FIFO"),
+                                           ("directory", "is a directory"),
+                                           ("symlink in a world-writable directory", "symbolic link")])
+@pytest.mark.parametrize("group_name", ["", "job"])
+def test_file_rendezvous_refuses_what_is_not_its_file_at_once(tmp_path, kind, message, group_name):
+    import os
+    import stat
+    import time
+
+    path = _planted(tmp_path, kind)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=message):
+        dist.init_process_group("tcp", init_method=f"file://{path}", rank=0, world_size=1, group_name=group_name,
+                                timeout=timedelta(seconds=20))
+    assert time.monotonic() - started < 5
+    assert not dist.is_initialized()
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode) and not os.path.exists(f"{path}.tdist-lock")
+
+
+@pytest.mark.parametrize("group_name", ["", "job"])
+def test_file_rendezvous_leaves_a_file_that_is_not_a_store_alone(tmp_path, group_name):
+    data = tmp_path / "data"
+    data.write_text("not a store")
+    with pytest.raises(dist.DistStoreError, match="not a tdist FileStore"):
+        dist.init_process_group("tcp", init_method=f"file://{data}", rank=0, world_size=1, group_name=group_name,
+                                timeout=timedelta(seconds=20))
+    assert data.read_text() == "not a store" and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_file_rendezvous_follows_a_symlink_in_a_private_directory(tmp_path):
+    import os
+
+    os.symlink(tmp_path / "store", tmp_path / "link")
+    dist.init_process_group("tcp", init_method=f"file://{tmp_path / 'link'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=20))
+    assert (tmp_path / "store").exists()
+    dist.destroy_process_group()
+
+
 def test_env_method_names_missing_variable(monkeypatch):
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)

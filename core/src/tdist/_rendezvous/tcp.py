@@ -3,7 +3,9 @@
 ``rank`` and ``world_size`` may also be given as URL query parameters
 (``tcp://10.1.1.20:23456?rank=1&world_size=4``). When no rank is given, ranks are
 assigned automatically in arrival order: the first process able to bind the
-address hosts the store; ``group_name`` lets several jobs share one address.
+address hosts the store. With ``group_name``, several jobs share one address, at once
+or one after another: the address only points each job to its own store, so no job
+depends on another's processes once it has gathered (see :mod:`.tcp_jobs`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from datetime import timedelta
 from .._errors import DistError
 from .._store import TCPStore
 from .._store.base import Store
-from .common import check_rank, job_store, merge_int, query_int
+from .common import check_rank, merge_int, query_int
+from .tcp_jobs import join_tcp_job
 
 __all__ = ["tcp_rendezvous", "connect_tcp_store"]
 
@@ -55,13 +58,15 @@ def tcp_rendezvous(
     if world_size < 1:
         raise ValueError(f"tcp:// rendezvous: world_size is required (argument or ?world_size= in {where!r})")
     check_rank("tcp", rank, world_size)
+    if group_name:
+        store, rank = join_tcp_job(url.hostname, port, group_name, rank, world_size, timeout)
+        return store, rank, world_size
     if rank >= 0:
-        return job_store(connect_tcp_store(url.hostname, port, rank, world_size, timeout), group_name), rank, world_size
+        return connect_tcp_store(url.hostname, port, rank, world_size, timeout), rank, world_size
     try:
         store: Store = TCPStore(url.hostname, port, world_size, is_master=True,
                                 timeout=timedelta(seconds=timeout), wait_for_workers=False)
     except (OSError, DistError):
         store = TCPStore(url.hostname, port, world_size, is_master=False,
                          timeout=timedelta(seconds=timeout), wait_for_workers=False)
-    store = job_store(store, group_name)
     return store, store.add("auto_rank", 1) - 1, world_size
