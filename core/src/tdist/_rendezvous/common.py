@@ -82,6 +82,7 @@ class Poll:
     seconds) and knows the loop's deadline."""
 
     def __init__(self, timeout: float, first: float = 0.01, longest: float = 0.25) -> None:
+        self.timeout = timeout
         self.deadline = time.monotonic() + timeout
         self._delay, self._longest = first, longest
 

@@ -101,6 +101,7 @@ def _open_job(entry: bytes, poll: Poll) -> Optional[TCPStore]:
         return None
     try:
         if peek(store, _JOB_ID) == job_id.encode():
+            store.set_timeout(poll.timeout)  # the job's blocking calls get the job's timeout
             return store
     except DistError:
         pass
@@ -113,8 +114,7 @@ def _publish(directory: _Directory, key: str, current: bytes, group: str, rank: 
     """Start the job's store and publish it (replacing ``current``); None if another process
     published first. Returns once every process of the job has arrived."""
     host = _local_address_towards(directory.host, directory.port)
-    store = TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=max(poll.remaining, 0.1)),
-                     wait_for_workers=False)
+    store = TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=poll.timeout), wait_for_workers=False)
     job_id = secrets.token_hex(16)
     entry = f"{job_id} {store.port} {host}".encode()
     try:
