@@ -277,8 +277,8 @@ class _Keep:
         return "KEEP"
 
 
-#: For :meth:`Host.set_link`: leave that setting as it is.
 KEEP = _Keep()
+"""For :meth:`Host.set_link`: leave that setting as it is."""
 
 
 # ------------------------------------------------------------------ processes
