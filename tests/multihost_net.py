@@ -67,7 +67,8 @@ def mcast_recv(group: str, port: int) -> None:
         mreq = socket.inet_pton(socket.AF_INET6, group) + struct.pack("@I", socket.if_nametoindex("eth0"))
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_JOIN_GROUP, mreq)
     else:
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(group) + socket.inet_aton("0.0.0.0"))
+        mreq = socket.inet_aton(group) + socket.inet_aton("0.0.0.0")
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
     sock.settimeout(30)
     print("ready", flush=True)
     data, _ = sock.recvfrom(1024)

@@ -60,8 +60,9 @@ def finish(procs) -> list[tuple[int, str, str]]:
     timed out or failed."""
     results = [(p, *p.communicate()) for p in procs]
     if any(p.timed_out or p.returncode != 0 for p, _, _ in results):
-        details = "\n".join(f"--- {p.host.hostname}: exit {p.returncode}{' (timed out)' * p.timed_out}\n{out}\n{err[-3000:]}"
-                            for p, out, err in results)
+        details = "\n".join(
+            f"--- {p.host.hostname}: exit {p.returncode}{' (timed out)' * p.timed_out}\n{out}\n{err[-3000:]}"
+            for p, out, err in results)
         pytest.fail(f"a job failed\n{details}", pytrace=False)
     return [(p.returncode, out, err) for p, out, err in results]
 

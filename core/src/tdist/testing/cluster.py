@@ -375,7 +375,8 @@ class Host:
     def run(self, args: Sequence[str], *, timeout: float = 60.0, check: bool = False, input: Optional[str] = None,
             env: Optional[dict[str, str]] = None, cwd: Optional[str] = None) -> subprocess.CompletedProcess:
         """Run ``args`` on this host to completion, capturing its output as text.
-        Past ``timeout`` seconds everything it started is killed and
+        Past ``timeout`` seconds its process group is killed (every process on the host,
+        if something outside the group still holds its output pipes) and
         :class:`HostCommandError` raised; so too with ``check`` and a non-zero exit."""
         proc = self.popen(args, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
@@ -407,6 +408,8 @@ class Host:
     # ------------------------------------------------------------------- link
     def link_bytes(self) -> tuple[int, int]:
         """(received, sent) bytes of this host's ``eth0`` so far (the kernel's counters)."""
+        if not self.init_pid:
+            raise ClusterError(f"{self.hostname} is not running")
         with open(f"/proc/{self.init_pid}/net/dev") as f:
             for line in f:
                 name, _, counters = line.partition(":")
@@ -504,6 +507,8 @@ class Cluster:
             raise ValueError(f"Cluster: delay must not be negative, got {delay}")
         if delay > 0 and delay_line is False:
             raise ValueError("Cluster: a delay needs the delay line (delay_line=True, or leave it out)")
+        if not re.fullmatch(r"[0-9]+[kmgKMG%]?", shm_size):
+            raise ValueError(f"Cluster: shm_size must be a tmpfs size such as '512m' or '1g', got {shm_size!r}")
         self.token = secrets.token_hex(3)
         self.name = f"{PREFIX}{_owner_tag()}-{self.token}"
         self.switch_netns = f"{self.name}-sw"
