@@ -2,8 +2,9 @@
 
     python multihost_net.py serve ADDRESS PORT          # echo one byte, count the rest; prints "ready", then the count
     python multihost_net.py client ADDRESS PORT NBYTES  # JSON: best round trip of 10, seconds to send NBYTES
-    python multihost_net.py mcast-recv GROUP PORT       # prints "ready", then the first datagram's text
-    python multihost_net.py mcast-send GROUP PORT TEXT  # sends TEXT to GROUP 50 times, 20 ms apart
+    python multihost_net.py mcast-recv GROUP PORT [S]   # prints "ready", then the first datagram's text
+                                                        # ("nothing" if none came within S seconds, default 30)
+    python multihost_net.py mcast-send GROUP PORT TEXT  # sends TEXT to GROUP 20 times, 10 ms apart
     python multihost_net.py whoami                      # JSON: host name, its address, /dev/shm contents
 """
 
@@ -59,7 +60,7 @@ def client(address: str, port: int, nbytes: int) -> None:
     print(json.dumps({"rtt": min(rtts), "send_seconds": time.perf_counter() - start}), flush=True)
 
 
-def mcast_recv(group: str, port: int) -> None:
+def mcast_recv(group: str, port: int, timeout: float) -> None:
     sock = socket.socket(_family(group), socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("", port))
@@ -69,17 +70,20 @@ def mcast_recv(group: str, port: int) -> None:
     else:
         mreq = socket.inet_aton(group) + socket.inet_aton("0.0.0.0")
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
-    sock.settimeout(30)
+    sock.settimeout(timeout)
     print("ready", flush=True)
-    data, _ = sock.recvfrom(1024)
+    try:
+        data, _ = sock.recvfrom(1024)
+    except socket.timeout:
+        data = b"nothing"
     print(data.decode(), flush=True)
 
 
 def mcast_send(group: str, port: int, text: str) -> None:
     sock = socket.socket(_family(group), socket.SOCK_DGRAM)
-    for _ in range(50):
+    for _ in range(20):
         sock.sendto(text.encode(), (group, port))
-        time.sleep(0.02)
+        time.sleep(0.01)
 
 
 def whoami() -> None:
@@ -94,7 +98,7 @@ def main(argv: list[str]) -> int:
     elif mode == "client":
         client(args[0], int(args[1]), int(args[2]))
     elif mode == "mcast-recv":
-        mcast_recv(args[0], int(args[1]))
+        mcast_recv(args[0], int(args[1]), float(args[2]) if len(args) > 2 else 30.0)
     elif mode == "mcast-send":
         mcast_send(args[0], int(args[1]), args[2])
     elif mode == "whoami":

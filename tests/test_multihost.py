@@ -88,6 +88,15 @@ def check_job(cluster: Cluster, results: list[dict], world_size: int, backend: s
             assert r["uses_shm"] is False, f"rank {r['rank']} used shared memory across hosts: {r}"
 
 
+def multicast_received(sender, receiver, group: str, wait: float) -> str:
+    """What ``receiver`` got of the datagrams ``sender`` sent to ``group`` ("nothing" if none in ``wait`` s)."""
+    proc = receiver.popen([sys.executable, NET, "mcast-recv", group, str(PORT), str(wait)], stdout=subprocess.PIPE,
+                          text=True, timeout=60)
+    assert proc.stdout.readline().strip() == "ready"
+    sender.run([sys.executable, NET, "mcast-send", group, str(PORT), sender.hostname], check=True, timeout=30)
+    return proc.communicate(timeout=60)[0].strip()
+
+
 # ------------------------------------------------------------------ the harness
 @pytest.mark.parametrize("switch", ["bridge", "delay_line"])
 def test_hosts_are_separate_machines(switch):
@@ -100,7 +109,15 @@ def test_hosts_are_separate_machines(switch):
         assert [s["address"] for s in seen] == [h0.address, h1.address]
         assert "tdist-multihost-probe" in seen[0]["shm"] and "tdist-multihost-probe" not in seen[1]["shm"]
         assert not os.path.exists("/dev/shm/tdist-multihost-probe")
-        # TCP both ways over IPv4 and IPv6: the bytes arrive, and over eth0
+        # IPv4 and IPv6 multicast from host 0 reach host 1 (for the multicast rendezvous);
+        # a switch set to drop multicast drops it
+        for multicast in (True, False):
+            cluster.set_multicast(multicast)
+            for group in ("239.255.77.1", "ff15:1e18:5d4c:4cf0:d02d:b659:53ba:b0a7"):
+                expected = h0.hostname if multicast else "nothing"
+                assert multicast_received(h0, h1, group, wait=30 if multicast else 1) == expected
+        # TCP over IPv4 and IPv6 (even without multicast: IPv6 neighbours are static): the
+        # bytes arrive, and over eth0
         for address in (h0.address, h0.address6):
             rx0 = h0.link_bytes()[0]
             server = h0.popen([sys.executable, NET, "serve", address, str(PORT)], stdout=subprocess.PIPE, text=True,
@@ -109,13 +126,6 @@ def test_hosts_are_separate_machines(switch):
             h1.run([sys.executable, NET, "client", address, str(PORT), str(1 << 20)], check=True, timeout=60)
             assert int(server.communicate(timeout=60)[0]) == 1 << 20
             assert h0.link_bytes()[0] - rx0 >= 1 << 20
-        # IPv4 and IPv6 multicast from host 0 reach host 1 (for the multicast rendezvous)
-        for group in ("239.255.77.1", "ff15:1e18:5d4c:4cf0:d02d:b659:53ba:b0a7"):
-            receiver = h1.popen([sys.executable, NET, "mcast-recv", group, str(PORT)], stdout=subprocess.PIPE,
-                                text=True, timeout=60)
-            assert receiver.stdout.readline().strip() == "ready"
-            h0.run([sys.executable, NET, "mcast-send", group, str(PORT), h0.hostname], check=True, timeout=30)
-            assert receiver.communicate(timeout=30)[0].strip() == h0.hostname
 
 
 @pytest.mark.tdist_cluster(2, rate="40mbit", delay=0.01)

@@ -14,8 +14,9 @@ as by a full switch queue (TCP retransmits it). Frames travel with their virtio-
 header (``PACKET_VNET_HDR``), so segmentation and checksum offload keep working: a 64 KiB
 TCP segment crosses as one frame.
 
-Control on stdin, one command a line: ``delay PORT_INDEX SECONDS``; the switch exits when
-stdin closes (its owner is gone). It prints ``ready`` once every port is open.
+Control on stdin, one command a line: ``delay PORT_INDEX SECONDS``, ``multicast 0`` (drop
+multicast frames; broadcast still passes) or ``multicast 1``; the switch exits when stdin
+closes (its owner is gone). It prints ``ready`` once every port is open.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ _PACKET_IGNORE_OUTGOING = 23
 _VNET_HDR_LEN = 10
 _MAX_FRAME = 256 << 10  # a GSO frame (64 KiB, more with BIG TCP) and its headers
 _DRAIN = 64  # frames read from one port before looking at the others
+_BROADCAST = b"\xff" * 6
 
 
 class DelayLine:
@@ -52,6 +54,7 @@ class DelayLine:
         self.queues: list[Deque[tuple[float, bytes]]] = [collections.deque() for _ in self.ports]
         self.queued = [0] * len(self.ports)
         self.macs: dict[bytes, int] = {}
+        self.multicast = True
         self.dropped = 0
 
     @staticmethod
@@ -105,6 +108,9 @@ class DelayLine:
         src = frame[_VNET_HDR_LEN + 6:_VNET_HDR_LEN + 12]
         if not src[0] & 1:
             self.macs[src] = port
+        if dst[0] & 1 and not self.multicast and dst != _BROADCAST:
+            self.dropped += 1
+            return
         out = self.macs.get(dst) if not dst[0] & 1 else None
         targets = [out] if out is not None and out != port else [p for p in range(len(self.socks)) if p != port]
         for target in targets:
@@ -118,6 +124,8 @@ class DelayLine:
         words = line.split()
         if len(words) == 3 and words[0] == "delay":
             self.delays[int(words[1])] = max(0.0, float(words[2]))
+        elif len(words) == 2 and words[0] == "multicast":
+            self.multicast = words[1] == "1"
         elif words:
             print(f"delayline: unknown command {line.strip()!r}", file=sys.stderr, flush=True)
 

@@ -315,7 +315,7 @@ class Host:
     """One host of a :class:`Cluster` (see the module's description).
 
     ``index``, ``hostname``, ``address`` (IPv4), ``address6`` (IPv6), ``ifname``
-    (``eth0``), ``netns`` (its network namespace's name, for ``ip -n``), ``rate`` (bits
+    (``eth0``), ``mac`` (its Ethernet address), ``netns`` (its network namespace's name, for ``ip -n``), ``rate`` (bits
     per second, None: unlimited) and ``delay`` (seconds) describe it; :meth:`popen` and
     :meth:`run` run commands on it.
     """
@@ -327,6 +327,7 @@ class Host:
         self.netns = f"{cluster.name}-h{index}"
         self.address = f"10.77.0.{index + 1}"
         self.address6 = f"fd77::{index + 1:x}"
+        self.mac = f"02:77:00:00:{(index + 1) >> 8:02x}:{(index + 1) & 0xff:02x}"
         self.ifname = IFNAME
         self.rate: Optional[float] = None
         self.delay = 0.0
@@ -491,8 +492,9 @@ class Cluster:
     ``delay``: seconds added to every frame a host sends (the one-way delay between
     hosts; a round trip takes twice that). ``delay_line``: use the user-space switch even
     with no delay, so that :meth:`Host.set_link` can add one later (default: only when
-    ``delay`` > 0; the kernel bridge is faster). ``shm_size``: each host's ``/dev/shm``
-    (tmpfs syntax).
+    ``delay`` > 0; the kernel bridge is faster). ``multicast``: False makes the switch
+    drop multicast (a network without it; hosts can still send); :meth:`set_multicast`
+    changes it later. ``shm_size``: each host's ``/dev/shm`` (tmpfs syntax).
 
     Use as a context manager (``with Cluster(2) as cluster:``), or call :meth:`start`
     and :meth:`close`. Raises :class:`ClusterUnavailable` where namespaces cannot be made
@@ -500,7 +502,7 @@ class Cluster:
     """
 
     def __init__(self, hosts: int = 2, *, rate: Union[None, str, int, float] = None, delay: float = 0.0,
-                 delay_line: Optional[bool] = None, shm_size: str = "1g") -> None:
+                 delay_line: Optional[bool] = None, multicast: bool = True, shm_size: str = "1g") -> None:
         if not 1 <= hosts <= 250:
             raise ValueError(f"Cluster: hosts must be 1..250, got {hosts}")
         if delay < 0:
@@ -516,6 +518,7 @@ class Cluster:
         self.rate = parse_rate(rate)
         self.delay = float(delay)
         self.uses_delay_line = bool(delay_line) or delay > 0
+        self.multicast = bool(multicast)
         self.shm_size = shm_size
         self.workdir = ""
         self._procs: list[HostProcess] = []
@@ -588,6 +591,7 @@ class Cluster:
                 self._start_delay_line()
                 for host in self.hosts:
                     host.set_link(delay=self.delay)
+                self.set_multicast(self.multicast)
             with open(os.path.join(self.workdir, "hosts.log"), "ab") as log:
                 for host in self.hosts:
                     host._start(log)
@@ -627,18 +631,26 @@ class Cluster:
         switch = [] if self.uses_delay_line else ["link add br0 type bridge mcast_snooping 0 stp_state 0",
                                                    "link set br0 up"]
         for host in self.hosts:
-            switch.append(f"link add {host.switch_port} type veth peer name {IFNAME} netns {host.netns}")
+            switch.append(f"link add {host.switch_port} type veth peer name {IFNAME} address {host.mac} "
+                          f"netns {host.netns}")
             if not self.uses_delay_line:
                 switch.append(f"link set {host.switch_port} master br0")
+                if not self.multicast:
+                    switch.append(f"link set dev {host.switch_port} type bridge_slave mcast_flood off")
             switch.append(f"link set {host.switch_port} up")
         _setup(["ip", "-n", self.switch_netns, "-batch", "-"], "\n".join(switch) + "\n")
         for host in self.hosts:
+            # Static neighbours: IPv6 unicast works even on a switch that drops multicast
+            # (neighbour discovery is multicast).
+            neighbours = [f"neigh replace {address} lladdr {other.mac} dev {IFNAME} nud permanent"
+                          for other in self.hosts if other is not host for address in (other.address, other.address6)]
             _setup(["ip", "-n", host.netns, "-batch", "-"], "\n".join([
                 "link set lo up",
                 f"addr add {host.address}/24 dev {IFNAME}",
                 f"addr add {host.address6}/64 dev {IFNAME} nodad",
                 f"link set {IFNAME} multicast on up",
                 f"route add 224.0.0.0/4 dev {IFNAME}",
+                *neighbours,
             ]) + "\n")
 
     def _start_delay_line(self) -> None:
@@ -654,13 +666,28 @@ class Cluster:
         if ready.strip() != b"ready":
             raise ClusterError(f"the delay line did not start; see {self.workdir}/delayline.log")
 
+    def set_multicast(self, enabled: bool) -> None:
+        """Let the switch forward multicast (True, the default) or drop it (False)."""
+        if self.uses_delay_line:
+            self._delay_line_command(f"multicast {int(bool(enabled))}")
+        else:
+            flag = "on" if enabled else "off"
+            _setup(["ip", "-n", self.switch_netns, "-batch", "-"], "".join(
+                f"link set dev {h.switch_port} type bridge_slave mcast_flood {flag}\n" for h in self.hosts))
+        self.multicast = bool(enabled)
+
     def _set_delay(self, host: Host, delay: float) -> None:
-        if self._delayline is None or self._delayline.stdin is None:
+        if self._delayline is None:
             if delay > 0:
                 raise ClusterError(f"{host.hostname}: a delay needs a cluster with a delay line "
                                    "(Cluster(..., delay_line=True))")
             return
-        self._delayline.stdin.write(f"delay {host.index} {delay!r}\n".encode())
+        self._delay_line_command(f"delay {host.index} {delay!r}")
+
+    def _delay_line_command(self, line: str) -> None:
+        if self._delayline is None or self._delayline.stdin is None or self._delayline.poll() is not None:
+            raise ClusterError(f"the delay line of {self.name} is not running; see {self.workdir}/delayline.log")
+        self._delayline.stdin.write(f"{line}\n".encode())
         self._delayline.stdin.flush()
 
     def close(self) -> None:
