@@ -154,7 +154,7 @@ _probed: dict[str, Optional[str]] = {}
 def unavailable_reason() -> Optional[str]:
     """Why this machine cannot run a :class:`Cluster` (None: it can). Checks the
     platform, root, the tools (``ip``, ``tc``, ``nsenter``, ``unshare``, ``mount``),
-    CAP_SYS_ADMIN and CAP_NET_ADMIN, and makes and removes one network namespace
+    CAP_SYS_ADMIN and CAP_NET_ADMIN, then makes and removes the namespaces of one host
     (once per process)."""
     if "reason" in _probed:
         return _probed["reason"]
@@ -169,14 +169,28 @@ def unavailable_reason() -> Optional[str]:
     elif not (_effective_caps() >> _CAP_SYS_ADMIN & 1 and _effective_caps() >> _CAP_NET_ADMIN & 1):
         reason = "needs CAP_SYS_ADMIN and CAP_NET_ADMIN (a privileged container, or the machine itself)"
     else:
-        probe = f"{PREFIX}{_owner_tag()}-probe{secrets.token_hex(2)}"
-        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=SETUP_TIMEOUT)
-        if made.returncode != 0:
-            reason = f"cannot create a network namespace: {made.stderr.strip()}"
-        else:
-            subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=SETUP_TIMEOUT)
+        reason = _probe_namespaces()
     _probed["reason"] = reason
     return reason
+
+
+def _probe_namespaces() -> Optional[str]:
+    """Make what a host is made of (a network namespace; in it mount, UTS and IPC
+    namespaces, a tmpfs, a host name) and remove it; what failed, or None."""
+    probe = f"{PREFIX}{_owner_tag()}-probe{secrets.token_hex(2)}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=SETUP_TIMEOUT)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    try:
+        host = subprocess.run(
+            ["ip", "netns", "exec", probe, "unshare", "--mount", "--uts", "--ipc", "--propagation", "slave",
+             "sh", "-c", "mount -t tmpfs -o size=1m tdist-probe /dev/shm && hostname tdist-probe"],
+            capture_output=True, text=True, timeout=SETUP_TIMEOUT)
+        if host.returncode != 0:
+            return f"cannot make a host's mount, UTS and IPC namespaces: {host.stderr.strip()}"
+        return None
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=SETUP_TIMEOUT)
 
 
 def parse_rate(rate: Union[None, str, int, float]) -> Optional[float]:
