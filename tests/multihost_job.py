@@ -4,7 +4,8 @@
     python multihost_job.py --backend tcp [--init-method URL ...] [--size BYTES] [--steps K]
 
 For each ``--init-method`` in turn (default: one ``init_process_group`` without one,
-i.e. env://), initialises tdist, checks, then destroys the group. The checks, on every rank:
+i.e. env://; ``URL#NAME`` passes ``group_name=NAME``), initialises tdist, checks, then
+destroys the group. The checks, on every rank:
 
 - ``all_reduce`` (sum) of ``--size`` bytes of float32, each rank contributing rank + 1,
   while this host's ``eth0`` counters are read before and after (the bytes every host
@@ -55,7 +56,9 @@ def main() -> int:
     for i, init_method in enumerate(args.init_method or [None]):
         if i:
             dist.destroy_process_group()
-        dist.init_process_group(args.backend, init_method=init_method, timeout=timedelta(seconds=args.timeout))
+        url, _, group_name = (init_method or "").partition("#")
+        dist.init_process_group(args.backend, init_method=url or None, group_name=group_name,
+                                timeout=timedelta(seconds=args.timeout))
         check(dist, args.backend, init_method, args.size)
 
     small = torch.ones(16)

@@ -209,12 +209,14 @@ def test_mpirun_across_hosts(tdist_cluster, tmp_path):
 
 
 def test_rendezvous_across_hosts(tdist_cluster, tmp_path):
-    """One process per host, no launcher, four rendezvous in turn (one group after the
+    """One process per host, no launcher, six rendezvous in turn (one group after the
     other, in the same processes): env://; tcp:// with fixed ranks, and with ranks
-    assigned in arrival order; file:// in a directory every host sees."""
+    assigned in arrival order; file:// in a directory every host sees; tcp:// and file://
+    with a group_name (the job's own store on a free port of its first process's host)."""
     master = tdist_cluster[0].address
     methods = ["env://", f"tcp://{master}:{PORT + 1}?world_size=2&rank={{rank}}",
-               f"tcp://{master}:{PORT + 2}?world_size=2", f"file://{tmp_path}/rendezvous?world_size=2"]
+               f"tcp://{master}:{PORT + 2}?world_size=2", f"file://{tmp_path}/rendezvous?world_size=2",
+               f"tcp://{master}:{PORT + 3}?world_size=2#jobs", f"file://{tmp_path}/shared?world_size=2#jobs"]
     commands, envs = [], []
     for host in tdist_cluster:
         commands.append([sys.executable, JOB, "--backend", "tcp", "--size", str(SIZE)]
