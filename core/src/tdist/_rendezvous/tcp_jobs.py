@@ -100,13 +100,14 @@ def _open_job(entry: bytes, poll: Poll) -> Optional[TCPStore]:
     except (OSError, ValueError, DistError):
         return None
     try:
-        if peek(store, _JOB_ID) == job_id.encode():
-            store.set_timeout(poll.timeout)  # the job's blocking calls get the job's timeout
-            return store
+        ours = peek(store, _JOB_ID) == job_id.encode()
     except DistError:
-        pass
-    store.close()
-    return None
+        ours = False
+    if not ours:  # a port reused by another job's store
+        store.close()
+        return None
+    store.set_timeout(poll.timeout)  # the job's blocking calls get the job's timeout
+    return store
 
 
 def _publish(directory: _Directory, key: str, current: bytes, group: str, rank: int, world_size: int,
