@@ -6,16 +6,17 @@ tests/shared_rendezvous_job.py in its own session and is killed if the test fail
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
 import pytest
 
 from jobs import TESTS, base_env, free_port, kill_session
+from tdist import TCPStore
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -100,42 +101,44 @@ def _wait_for_bytes(path: Path, needle: bytes, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-def test_file_path_shared_by_jobs_at_once_again_and_after_crashes(jobs, tmp_path):
+def test_file_path_shared_by_jobs_at_once_again_and_after_a_crash(jobs, tmp_path):
     path = tmp_path / "shared"
     url = f"file://{path}"
-    a, b = jobs.job(url, "a"), jobs.job(url, "b", ranks=(0, 1))
-    jobs.finish(a, "a")
+    b = jobs.job(url, "b", ranks=(0, 1), hold=True)  # runs throughout: the path stays in use
+    jobs.finish(jobs.job(url, "a"), "a")
+    alone = jobs.start(url, "a")  # the same job again: one process of two, killed while it gathers
+    _wait_for_bytes(path, b"tdist/jobs/a/1/member/0")
+    jobs.kill([alone])
+    jobs.finish(jobs.job(url, "a"), "a")  # and again, past the crashed run
+    jobs.go("b")
     jobs.finish(b, "b")
     assert not path.exists() and not Path(f"{path}.tdist-lock").exists(), "the last process left its files behind"
-    jobs.finish(jobs.job(url, "a"), "a")  # the same job again
-    crashed = jobs.job(url, "a", hold=True)
-    jobs.ready(crashed, "a")
-    jobs.kill(crashed)  # killed after init: the path and its lock file stay behind
-    alone = jobs.start(url, "a")  # one process of two, killed while it gathers
-    _wait_for_bytes(path, b"tdist/jobs/a/1/member/0")  # generation 0 crashed: the next one
-    jobs.kill([alone])
-    jobs.finish(jobs.job(url, "a"), "a")
-    assert not path.exists() and not Path(f"{path}.tdist-lock").exists()
+
+
+def _wait_for_entry(port: int, group: str) -> None:
+    """Until the directory served at ``port`` holds ``group``'s entry (a job published there)."""
+    probe = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False)
+    try:
+        probe.wait([f"tdist/jobs/{group}"])
+    finally:
+        probe.close()
 
 
 def test_tcp_address_shared_by_jobs_that_outlive_its_server_and_follow_a_crash(jobs):
-    url = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
     a = jobs.job(url, "a", hold=True)  # the first job: one of its processes serves the address
     jobs.ready(a, "a")
     b = jobs.job(url, "b", ranks=(0, 1), hold=True)
-    jobs.ready(b, "b")
-    c0 = jobs.start(url, "c")  # gathers while the server's job ends
-    gone = jobs.start(url, "d")  # one process of two, crashes while it gathers (its entry stays)
-    time.sleep(2)
+    c0 = jobs.start(url, "c")  # gathers while the job serving the address ends
+    gone = jobs.start(url, "d")  # one process of two, killed while it gathers: its entry stays
+    _wait_for_entry(port, "d")
     jobs.kill([gone])
+    jobs.finish(jobs.job(url, "d"), "d")  # the same job again, past the crashed run's entry
+    jobs.ready(b, "b")
     jobs.go("a")
     jobs.finish(a, "a")
     c1 = jobs.start(url, "c")
     jobs.go("b")
     jobs.finish(b, "b")  # uses its store after the process that served the address has ended
     jobs.finish([c0, c1], "c")
-    jobs.finish(jobs.job(url, "d"), "d")
-    crashed = jobs.job(url, "b", ranks=(0, 1), hold=True)
-    jobs.ready(crashed, "b")
-    jobs.kill(crashed)
-    jobs.finish(jobs.job(url, "b", ranks=(0, 1)), "b")
