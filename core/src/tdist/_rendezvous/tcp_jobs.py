@@ -196,7 +196,7 @@ def join_tcp_job(host: str, port: int, group: str, rank: int, world_size: int,
             if poll.expired():
                 raise DistStoreTimeoutError(
                     f"tcp:// rendezvous: group {group!r} at {host}:{port}: no job to join within {timeout:g} s"
-                    + ("" if rank < 0 else f" (waiting for its rank 0 to publish it)"))
+                    + ("" if rank < 0 else " (waiting for its rank 0 to publish it)"))
             poll.sleep()
     except BaseException:
         for served in directory.served:
