@@ -127,7 +127,8 @@ def get_args_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "stdout and stderr directly)")
     parser.add_argument("--grace-period", "--grace_period", dest="grace_period", type=float, default=None,
                         help="seconds between SIGTERM (or a forwarded signal) and SIGKILL when stopping workers "
-                        f"(default: --shutdown-timeout, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else {DEFAULT_GRACE_PERIOD:g})")
+                        "(default: --shutdown-timeout, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "
+                        f"else {DEFAULT_GRACE_PERIOD:g})")
     return parser
 
 
