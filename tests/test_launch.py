@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import base_env, free_port, kill_session, pid_alive
+from jobs import base_env, free_port, kill_session, pid_alive, run_job
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -141,23 +141,12 @@ def test_two_nodes_static_rendezvous(tmp_path):
     which node 0's agent holds from its start; ranks follow --node-rank."""
     script = write(tmp_path, "report.py", REPORT)
     port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [*LAUNCH, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-             "--master_port", port, "--use_env", script],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(), start_new_session=True,
-        )
-        for node in (0, 1)
-    ]
-    try:
-        outputs = [proc.communicate(timeout=60) for proc in procs]
-    finally:
-        for proc in procs:
-            kill_session(proc.pid)
+    commands = [[*LAUNCH, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2", "--master_addr",
+                 "127.0.0.1", "--master_port", port, "--use_env", script] for node in (0, 1)]
     found = {}
-    for node, (proc, (out, err)) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, err
-        node_reports = reports(out)
+    for node, res in enumerate(run_job(commands, [base_env()] * 2, timeout=60)):
+        assert res.returncode == 0, res.stderr
+        node_reports = reports(res.stdout)
         assert sorted(node_reports) == [2 * node, 2 * node + 1]
         found.update(node_reports)
     for rank, rep in found.items():
@@ -182,15 +171,19 @@ def test_module_mode(tmp_path):
 
 def test_run_path_and_nproc_per_node_auto(tmp_path):
     """--run-path runs the script with runpy.run_path; --nproc-per-node auto starts one worker
-    per CPU here (no accelerator), as torchrun decides."""
+    per CPU here (no accelerator), as torchrun decides. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (torchrun: a free port for rank 0 to bind later) is ignored: the workers use the agent's store."""
     from torch.distributed.run import determine_local_world_size
 
     script = write(tmp_path, "report.py", REPORT)
-    res = launch(["--nproc-per-node", "auto", "--run-path", script, "z"], launcher=TDISTRUN)
+    res = launch(["--nproc-per-node", "auto", "--run-path", script, "z"], launcher=TDISTRUN,
+                 env=base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
     assert res.returncode == 0, res.stderr
     found = reports(res.stdout)
     assert sorted(found) == list(range(determine_local_world_size("auto")))
     assert all(rep["argv"] == ["z"] for rep in found.values())
+    assert all(rep["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "True" for rep in found.values())
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is ignored" in res.stderr
 
 
 def test_bad_arguments_fail_before_starting_anything(tmp_path):

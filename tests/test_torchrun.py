@@ -10,15 +10,13 @@ Each launcher runs in its own session, killed when the test ends.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
-from jobs import base_env, free_port, kill_session  # noqa: E402
+from jobs import Result, base_env, free_port, run_job  # noqa: E402
 
 LAUNCH_TIMEOUT = 150
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 30)]
@@ -66,31 +64,9 @@ def program(tmp_path) -> str:
     return str(path)
 
 
-def start(launcher: list[str], args: list[str], **env: str) -> subprocess.Popen:
-    return subprocess.Popen([*launcher, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=base_env(**env), cwd=str(Path(__file__).parent), start_new_session=True)
-
-
-def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
-    """Wait for every launcher (LAUNCH_TIMEOUT in all); kill their sessions whatever happens."""
-    try:
-        results = []
-        for proc in procs:
-            try:
-                out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                kill_session(proc.pid)
-                out, err = proc.communicate()
-                pytest.fail(f"launcher did not finish within {LAUNCH_TIMEOUT} s\n{out}\n{err[-3000:]}")
-            results.append((proc.returncode, out, err))
-        return results
-    finally:
-        for proc in procs:
-            kill_session(proc.pid)
-
-
-def run(launcher: list[str], args: list[str], **env: str) -> tuple[int, str, str]:
-    return finish([start(launcher, args, **env)])[0]
+def run(launcher: list[str], args: list[str], **env: str) -> Result:
+    """Run one launcher to the end (its session is killed whatever happens)."""
+    return run_job([[*launcher, *args]], [base_env(**env)], timeout=LAUNCH_TIMEOUT)[0]
 
 
 def reports(stdout: str) -> list[dict]:
@@ -113,28 +89,28 @@ def test_tdist_program(program, logs, launcher, mode):
     longer binds MASTER_PORT (EADDRINUSE). (tdistrun's default mode runs examples/train.py
     in test_ddp.py.)"""
     launcher_cmd = TORCHRUN if launcher == "torchrun" else TDISTRUN
-    code, out, err = run(launcher_cmd, [*mode, *logs, "--nproc-per-node", "2", program])
-    assert code == 0, err[-3000:]
-    found = reports(out)
+    res = run(launcher_cmd, [*mode, *logs, "--nproc-per-node", "2", program])
+    assert res.returncode == 0, res.stderr[-3000:]
+    found = reports(res.stdout)
     check_world(found, 2)
     assert all(r["env"]["TORCHELASTIC_RESTART_COUNT"] == "0" for r in found)
     if launcher == "tdistrun":
-        assert all(line.startswith("[rank ") for line in out.splitlines())
+        assert all(line.startswith("[rank ") for line in res.stdout.splitlines())
 
 
 def test_restart_after_a_failure(program):
     """--max-restarts 1 (static rendezvous: the agent store lives across attempts): rank 1 fails
     after its first all_reduce; the new group gets a fresh key prefix and succeeds."""
-    code, out, err = run(TDISTRUN, ["--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(free_port()),
-                                    program, "--fail-once"])
-    assert code == 0, err[-3000:]
-    found = reports(out)
+    res = run(TDISTRUN, ["--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(free_port()),
+                         program, "--fail-once"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    found = reports(res.stdout)
     attempts = {c: [r for r in found if r["env"]["TORCHELASTIC_RESTART_COUNT"] == c] for c in ("0", "1")}
     check_world(attempts["1"], 2)
     assert [r["rank"] for r in attempts["0"] if r["rank"] == 1] == [1]  # rank 1 reported, then failed
     prefixes = {c: {r["env"]["TDIST_STORE_PREFIX"] for r in rs} for c, rs in attempts.items()}
     assert len(prefixes["1"]) == 1 and not prefixes["0"] & prefixes["1"]
-    assert "restarting the worker group (restart 1 of 1)" in err
+    assert "restarting the worker group (restart 1 of 1)" in res.stderr
 
 
 def test_two_nodes_join_one_c10d_rendezvous(program):
@@ -143,11 +119,10 @@ def test_two_nodes_join_one_c10d_rendezvous(program):
     endpoint = f"127.0.0.1:{free_port()}"
     args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
             "--rdzv-id", "two-nodes", "--rdzv-conf", "last_call_timeout=60", program]
-    results = finish([start(TDISTRUN, args), start(TDISTRUN, args)])
     found = []
-    for code, out, err in results:
-        assert code == 0, err[-3000:]
-        found += reports(out)
+    for res in run_job([[*TDISTRUN, *args]] * 2, [base_env()] * 2, timeout=LAUNCH_TIMEOUT):
+        assert res.returncode == 0, res.stderr[-3000:]
+        found += reports(res.stdout)
     check_world(found, 2)
     assert sorted(r["env"]["GROUP_RANK"] for r in found) == ["0", "1"]
 
@@ -155,9 +130,9 @@ def test_two_nodes_join_one_c10d_rendezvous(program):
 def test_token_mode_hosts_an_authenticated_store(program):
     """With TDIST_STORE_TOKEN, tdistrun hosts a tdist store that refuses a wrong token;
     env:// uses it instead of the agent's torch store."""
-    code, out, err = run(TDISTRUN, ["--nproc-per-node", "2", program], TDIST_STORE_TOKEN=TOKEN)
-    assert code == 0, err[-3000:]
-    found = reports(out)
+    res = run(TDISTRUN, ["--nproc-per-node", "2", program], TDIST_STORE_TOKEN=TOKEN)
+    assert res.returncode == 0, res.stderr[-3000:]
+    found = reports(res.stdout)
     check_world(found, 2)
     for r in found:
         assert r["env"]["TDIST_STORE_ADDR"] == "127.0.0.1"

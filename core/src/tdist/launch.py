@@ -38,7 +38,8 @@ with several workers (unless set), as torchrun sets them; and tdist's
 ``TDIST_STORE_TOKEN`` set, ``TDIST_STORE_ADDR``/``TDIST_STORE_PORT`` (below).
 ``tdist.init_process_group`` (``env://``) joins the agent's store as a client: the
 store listens from the moment the agent starts to its end, so no port is ever free
-for another process to take in between.
+for another process to take in between (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+which makes torchrun leave such a port free, is ignored).
 
 Restarts: when a worker fails, every worker of the node is stopped (SIGTERM, SIGKILL
 after the grace period) and, while restarts are left (``--max-restarts``, default 0),
@@ -296,6 +297,9 @@ def launch(args: argparse.Namespace) -> int:
     from ._launch.agent import DEFAULT_PREFIX_TEMPLATE, create_agent, run_agent
     from ._store.tcp_store import TOKEN_ENV
 
+    if os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1":
+        log("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is ignored: the workers join the agent's store, which listens "
+            "from the agent's start (torchrun would pick a free port and leave it free until rank 0 binds it)")
     own_log_dir = None
     if args.log_dir is None:
         own_log_dir = args.log_dir = tempfile.mkdtemp(prefix="tdistrun-")
