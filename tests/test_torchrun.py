@@ -115,16 +115,19 @@ def test_restart_after_a_failure(program):
 
 def test_two_nodes_join_one_c10d_rendezvous(program):
     """--nnodes 1:2 with c10d: two tdistrun processes (two "nodes" on this host) join one
-    rendezvous and their workers form one world of 2."""
+    rendezvous and their workers form one world of 2. With a token, both use the
+    authenticated store of group rank 0's agent, whose address travels through the rendezvous."""
     endpoint = f"127.0.0.1:{free_port()}"
     args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
             "--rdzv-id", "two-nodes", "--rdzv-conf", "last_call_timeout=60", program]
     found = []
-    for res in run_job([[*TDISTRUN, *args]] * 2, [base_env()] * 2, timeout=LAUNCH_TIMEOUT):
+    for res in run_job([[*TDISTRUN, *args]] * 2, [base_env(TDIST_STORE_TOKEN=TOKEN)] * 2, timeout=LAUNCH_TIMEOUT):
         assert res.returncode == 0, res.stderr[-3000:]
         found += reports(res.stdout)
     check_world(found, 2)
     assert sorted(r["env"]["GROUP_RANK"] for r in found) == ["0", "1"]
+    assert len({(r["env"]["TDIST_STORE_ADDR"], r["env"]["TDIST_STORE_PORT"]) for r in found}) == 1
+    assert all(r["impostor"] != "accepted" for r in found)
 
 
 def test_token_mode_hosts_an_authenticated_store(program):
