@@ -79,7 +79,6 @@ import sys
 import tempfile
 import threading
 import uuid
-from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ._launch.workers import describe_status, exit_status, write_locked
@@ -246,24 +245,15 @@ def _host_tdist_store(config: "LaunchConfig") -> Any:
     return TCPStoreServer(host, 0).start()
 
 
-def _raise_signal(signum: int, _frame: Optional[FrameType]) -> None:
-    from torch.distributed.elastic.multiprocessing import SignalException
-
-    raise SignalException(f"tdistrun (pid {os.getpid()}) got {signal.Signals(signum).name}", signal.Signals(signum))
-
-
-def _handle_signals(names: str) -> dict[int, Any]:
-    """From now on, the signals in ``names`` raise torch's SignalException (what the agent
-    handles by forwarding them), as torch's process context does once workers start.
-    Returns the previous handlers."""
-    previous: dict[int, Any] = {}
+def _signal_handlers(names: str) -> dict[int, Any]:
+    """The current handlers of the signals in ``names`` (torch's process context replaces
+    them when the workers start, with handlers that raise SignalException for the agent
+    to forward; before that, a signal has its usual effect, as in torchrun: a handler
+    would not run while torch's C++ rendezvous code blocks)."""
     if threading.current_thread() is not threading.main_thread():
-        return previous
-    for name in names.split(","):
-        signum = getattr(signal, name.strip(), None)
-        if isinstance(signum, signal.Signals):
-            previous[signum] = signal.signal(signum, _raise_signal)
-    return previous
+        return {}
+    signums = (getattr(signal, name.strip(), None) for name in names.split(","))
+    return {s: signal.getsignal(s) for s in signums if isinstance(s, signal.Signals)}
 
 
 def _report(agent: Any, result: Any) -> int:
@@ -289,8 +279,9 @@ def _report(agent: Any, result: Any) -> int:
 def launch(args: argparse.Namespace) -> int:
     """Run this node's agent and its workers as ``args`` say; return the exit status.
 
-    Installs handlers for the signals of ``--signals-to-handle`` while it runs (when
-    called from the main thread) and restores the previous ones after.
+    While workers run, the signals of ``--signals-to-handle`` are forwarded to them
+    (torch's process context installs the handlers); the previous handlers are
+    restored at the end (when called from the main thread).
     """
     from torch.distributed.elastic.multiprocessing import SignalException
 
@@ -303,7 +294,7 @@ def launch(args: argparse.Namespace) -> int:
     own_log_dir = None
     if args.log_dir is None:
         own_log_dir = args.log_dir = tempfile.mkdtemp(prefix="tdistrun-")
-    previous = _handle_signals(args.signals_to_handle)
+    previous = _signal_handlers(args.signals_to_handle)
     tdist_store = agent = None
     try:
         config, program, program_args = launch_config(args)
@@ -319,6 +310,9 @@ def launch(args: argparse.Namespace) -> int:
             agent.kill_all()
         log(f"received {exc.sigval.name}; forwarded it to {agent.signalled if agent else 0} running worker(s)")
         return 128 + int(exc.sigval)
+    except KeyboardInterrupt:  # SIGINT before the workers started
+        log("interrupted before the workers started")
+        return 128 + int(signal.SIGINT)
     except Exception as exc:  # rendezvous, store or start failures: one line, not a traceback
         if agent is not None:
             agent.kill_all()

@@ -81,9 +81,9 @@ class TdistAgent(LocalElasticAgent):
         store = worker_group.store
         if worker_group.group_rank == 0:
             shared: dict[str, Any] = {"prefix": f"tdist/{uuid.uuid4().hex}"}
-            if self.tdist_store is not None:
-                host = self.tdist_store.host or worker_group.master_addr
-                shared.update(addr=worker_group.master_addr if host in ("", "0.0.0.0", "::") else host,
+            if self.tdist_store is not None:  # listening on every interface: reachable where MASTER_ADDR is
+                host = self.tdist_store.host
+                shared.update(addr=host if host not in ("", "0.0.0.0", "::") else worker_group.master_addr,
                               port=self.tdist_store.port)
             store.set(key, json.dumps(shared))
         return json.loads(store.get(key))

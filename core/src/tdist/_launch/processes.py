@@ -72,8 +72,6 @@ class WorkerProcesses(PContext):
         duplicate_stdout_filters: Optional[list[str]] = None,
         duplicate_stderr_filters: Optional[list[str]] = None,
         numa_options: Any = None,
-        stdout: Optional[IO] = None,
-        stderr: Optional[IO] = None,
     ) -> None:
         # PContext.__init__ would also set up torch's file tailers for --tee; our pumps copy
         # tee'd streams, so set what PContext's start()/wait()/close() use ourselves.
@@ -96,7 +94,7 @@ class WorkerProcesses(PContext):
         self._numa_options = numa_options
         self.grace_period = grace_period
         self.log = log
-        self._consoles = (stdout if stdout is not None else sys.stdout, stderr if stderr is not None else sys.stderr)
+        self._consoles = (sys.stdout, sys.stderr)
         self._workers: dict[int, _Worker] = {}
         self._files: list[IO[bytes]] = []
         self._failures: dict[int, ProcessFailure] = {}
