@@ -320,10 +320,13 @@ def test_variables_as_torchrun_sets_them(tmp_path):
 
 # --------------------------------------------------------------------------- restarts
 FLAKY = """
-import os, sys
+import json, os, sys
 rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
 print(f"attempt {attempt} of {os.environ['TORCHELASTIC_MAX_RESTARTS']} restarts", flush=True)
 if rank == "1" and (attempt == "0" or "--always" in sys.argv):
+    if "--always" in sys.argv:  # what torch's @record writes for an exception
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": "ValueError: boom", "extraInfo": {"timestamp": "0"}}}, f)
     sys.exit(4)
 """
 
@@ -331,7 +334,7 @@ if rank == "1" and (attempt == "0" or "--always" in sys.argv):
 def test_max_restarts_restarts_the_whole_group(tmp_path):
     """rank 1 fails in attempt 0; the agent stops rank 0 too, starts both again with
     TORCHELASTIC_RESTART_COUNT=1, and the job succeeds. A worker that keeps failing ends
-    the job with its exit status once the restarts are spent."""
+    the job with its exit status once the restarts are spent, and its error file's message."""
     script = write(tmp_path, "flaky.py", FLAKY)
     res = launch(["--nproc-per-node", "2", "--max-restarts", "1", script], launcher=TDISTRUN)
     assert res.returncode == 0, res.stderr
@@ -344,7 +347,7 @@ def test_max_restarts_restarts_the_whole_group(tmp_path):
     res = launch(["--nproc-per-node", "2", "--max-restarts", "1", script, "--always"], launcher=TDISTRUN)
     assert res.returncode == 4
     assert res.stdout.count("[rank 1] attempt") == 2
-    assert "tdistrun: rank 1 failed with exit code 4 after 1 restart(s)" in res.stderr
+    assert "tdistrun: rank 1 failed with exit code 4 after 1 restart(s): ValueError: boom" in res.stderr
 
 
 # --------------------------------------------------------------------------- failures and signals
