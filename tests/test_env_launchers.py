@@ -1,15 +1,19 @@
 """env:// under other launchers: without RANK/WORLD_SIZE, the rank and world size
 come from Open MPI (OMPI_COMM_WORLD_RANK/SIZE), PMI (PMI_RANK/PMI_SIZE: MPICH,
-Intel MPI) or Slurm (SLURM_PROCID/SLURM_NTASKS) variables.
+Intel MPI) or Slurm (SLURM_PROCID/SLURM_NTASKS) variables; under torchrun/tdistrun
+(TORCHELASTIC_USE_AGENT_STORE=True) the store is the agent's, or tdistrun's
+authenticated one (TDIST_STORE_ADDR/PORT).
 
 Real 2-process jobs started with only those variables plus MASTER_ADDR/PORT,
 as mpirun or srun would start them; then the error cases, which fail before
-any network I/O and run in this process.
+any network I/O (or at the first connection) and run in this process. Jobs under
+the real torchrun and tdistrun are in test_torchrun.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
 
@@ -113,7 +117,8 @@ RANK_VARIABLES = [v for rank_var, size_var, _ in LAUNCHER_VARIABLES.values() for
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_ID", *RANK_VARIABLES):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                 "TDIST_STORE_ADDR", "TDIST_STORE_PORT", "TDIST_STORE_PREFIX", "TDIST_STORE_TOKEN", *RANK_VARIABLES):
         monkeypatch.delenv(name, raising=False)
     yield monkeypatch
     if tdist.is_initialized():
@@ -185,4 +190,38 @@ def test_rank_and_size_come_from_one_launcher(clean_env):
     clean_env.setenv("PMI_SIZE", "2")
     clean_env.setenv("MASTER_PORT", str(free_port()))
     with pytest.raises(ValueError, match="OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not"):
+        tdist.init_process_group(BACKEND)
+
+
+# --------------------------------------------------------------------------- torchrun's agent store
+def agent_env(env, **extra: str) -> None:
+    """The variables torchrun gives rank 1 of 2 (its agent store at MASTER_ADDR:MASTER_PORT)."""
+    env.setenv("RANK", "1")
+    env.setenv("WORLD_SIZE", "2")
+    env.setenv("MASTER_ADDR", "127.0.0.1")
+    env.setenv("MASTER_PORT", str(free_port()))
+    env.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    env.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    for name, value in extra.items():
+        env.setenv(name, value)
+
+
+def test_token_with_torchruns_agent_store_is_refused(clean_env):
+    """torch's TCPStore cannot authenticate: with a token set, env:// refuses it (no silent
+    downgrade), before connecting to anything."""
+    agent_env(clean_env, TDIST_STORE_TOKEN="secret")
+    with pytest.raises(tdist.DistStoreError, match="TDIST_STORE_TOKEN is set, but .* cannot authenticate"):
+        tdist.init_process_group(BACKEND)
+
+
+def test_unreachable_agent_store_is_named(clean_env):
+    agent_env(clean_env)
+    port = os.environ["MASTER_PORT"]
+    with pytest.raises(tdist.DistNetworkError, match=f"cannot join the launcher's agent store at 127.0.0.1:{port}"):
+        tdist.init_process_group(BACKEND, timeout=timedelta(seconds=1))
+
+
+def test_store_addr_needs_its_port(clean_env):
+    agent_env(clean_env, TDIST_STORE_ADDR="127.0.0.1")
+    with pytest.raises(ValueError, match="TDIST_STORE_ADDR is set but TDIST_STORE_PORT is not"):
         tdist.init_process_group(BACKEND)

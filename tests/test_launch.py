@@ -1,8 +1,10 @@
-"""tdistrun / python -m tdist.launch: environment, arguments, output prefixes,
+"""tdistrun / python -m tdist.launch: environment (as torchrun sets it), arguments,
+torchrun's options (restarts, several nodes, log files and filters), output prefixes,
 failure propagation and clean shutdown (no orphan processes).
 
 The launcher runs in a subprocess (its own session, killed if a test fails);
 the worker scripts are written to tmp_path and need neither torch nor a backend.
+Real tdist programs under torchrun and tdistrun are in test_torchrun.py.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from jobs import base_env, kill_session, pid_alive
+from jobs import base_env, free_port, kill_session, pid_alive, run_job
 
 pytestmark = pytest.mark.timeout(90)
 
 LAUNCH = [sys.executable, "-m", "tdist.launch"]
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+TDISTRUN = [sys.executable, "-c", "import sys; from tdist.launch import main; sys.exit(main())"]
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TDIST_STORE_PREFIX")
 
 REPORT = """
 import json, os, sys
@@ -37,10 +41,10 @@ def write(tmp_path: Path, name: str, code: str) -> str:
     return str(path)
 
 
-def launch(args, timeout: float = 60, env=None, cwd=None) -> subprocess.CompletedProcess:
+def launch(args, timeout: float = 60, env=None, cwd=None, launcher=LAUNCH) -> subprocess.CompletedProcess:
     """Run the launcher to completion; kill its whole session on timeout."""
     proc = subprocess.Popen(
-        [*LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*launcher, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=env or base_env(), cwd=cwd, start_new_session=True,
     )
     try:
@@ -92,38 +96,65 @@ def test_sets_env_and_passes_local_rank(tmp_path):
     found = reports(res.stdout)
     assert sorted(found) == [0, 1, 2]
     ports = {found[r]["env"]["MASTER_PORT"] for r in found}
-    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536  # one free port picked for the job
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536  # the port the agent's store listens on
+    prefixes = {found[r]["env"]["TDIST_STORE_PREFIX"] for r in found}
+    assert len(prefixes) == 1 and prefixes.pop().startswith("tdist/")
     for rank, rep in found.items():
         assert rep["argv"] == [f"--local_rank={rank}", "a", "--flag"]
         env = rep["env"]
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "3"
-        assert env["MASTER_ADDR"] == "127.0.0.1" and env["GROUP_RANK"] == "0"
+        # one node and no --master-port: torchrun's private c10d rendezvous on "localhost:0"
+        assert env["MASTER_ADDR"] == "localhost" and env["GROUP_RANK"] == "0"
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
 
 
 def test_use_env_and_dashed_spellings(tmp_path):
     script = write(tmp_path, "report.py", REPORT)
-    res = launch(["--nproc-per-node=2", "--use-env", "--master-port", "29999", "--master-addr", "localhost", script, "x"])
+    port = str(free_port())
+    res = launch(["--nproc-per-node=2", "--use-env", "--master-port", port, "--master-addr", "localhost", script, "x"])
     assert res.returncode == 0, res.stderr
     found = reports(res.stdout)
     for rank, rep in found.items():
         assert rep["argv"] == ["x"]  # no --local_rank with --use_env
         assert rep["env"]["LOCAL_RANK"] == str(rank)
-        assert rep["env"]["MASTER_PORT"] == "29999" and rep["env"]["MASTER_ADDR"] == "localhost"
+        assert rep["env"]["MASTER_PORT"] == port and rep["env"]["MASTER_ADDR"] == "localhost"
+        assert rep["env"]["TORCHELASTIC_RUN_ID"] == "none"  # static rendezvous: torchrun's default id
 
 
-def test_multi_node_ranks(tmp_path):
+def test_local_rank_argument_spellings(tmp_path):
+    """tdistrun passes no argument (torchrun); python -m tdist.launch passes --local_rank=N;
+    --local-rank-arg picks the spelling with either."""
     script = write(tmp_path, "report.py", REPORT)
-    res = launch(["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "2", "--master_addr", "10.0.0.1",
-                  "--master_port", "1234", "--use_env", script])
-    assert res.returncode == 0, res.stderr
-    found = reports(res.stdout)
-    assert sorted(found) == [2, 3]
+    cases = [  # tdistrun without the option: test_tdistrun_console_script
+        (TDISTRUN, ["--local-rank-arg", "local_rank"], ["--local_rank=1"]),
+        (LAUNCH, ["--local-rank-arg", "local-rank"], ["--local-rank=1"]),
+    ]
+    for launcher, options, expected in cases:
+        res = launch(["--nproc-per-node", "2", *options, script, "y"], launcher=launcher)
+        assert res.returncode == 0, res.stderr
+        assert reports(res.stdout)[1]["argv"] == [*expected, "y"], (launcher, options)
+
+
+def test_two_nodes_static_rendezvous(tmp_path):
+    """--nnodes 2: two launchers (two "nodes" on this host) meet at --master-addr/--master-port,
+    which node 0's agent holds from its start; ranks follow --node-rank."""
+    script = write(tmp_path, "report.py", REPORT)
+    port = str(free_port())
+    commands = [[*LAUNCH, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2", "--master_addr",
+                 "127.0.0.1", "--master_port", port, "--use_env", script] for node in (0, 1)]
+    found = {}
+    for node, res in enumerate(run_job(commands, [base_env()] * 2, timeout=60)):
+        assert res.returncode == 0, res.stderr
+        node_reports = reports(res.stdout)
+        assert sorted(node_reports) == [2 * node, 2 * node + 1]
+        found.update(node_reports)
     for rank, rep in found.items():
         env = rep["env"]
-        assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank - 2)
-        assert env["WORLD_SIZE"] == "4" and env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "1"
-        assert env["MASTER_ADDR"] == "10.0.0.1" and env["MASTER_PORT"] == "1234"
+        assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank % 2) and env["GROUP_RANK"] == str(rank // 2)
+        assert env["WORLD_SIZE"] == "4" and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == port
+    assert len({rep["env"]["TDIST_STORE_PREFIX"] for rep in found.values()}) == 1  # both nodes use one prefix
 
 
 def test_module_mode(tmp_path):
@@ -138,13 +169,55 @@ def test_module_mode(tmp_path):
     assert found[1]["argv"] == ["--local_rank=1", "--lr", "0.1"]
 
 
-def test_bad_arguments_fail_before_starting_anything(tmp_path):
+def test_run_path_and_nproc_per_node_auto(tmp_path):
+    """--run-path runs the script with runpy.run_path; --nproc-per-node auto starts one worker
+    per CPU here (no accelerator), as torchrun decides. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (torchrun: a free port for rank 0 to bind later) is ignored: the workers use the agent's store."""
+    from torch.distributed.run import determine_local_world_size
+
     script = write(tmp_path, "report.py", REPORT)
-    res = launch(["--nnodes", "2", "--node_rank", "2", script])
-    assert res.returncode == 2 and "--node_rank 2 is out of range" in res.stderr
+    res = launch(["--nproc-per-node", "auto", "--run-path", script, "z"], launcher=TDISTRUN,
+                 env=base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    assert res.returncode == 0, res.stderr
+    found = reports(res.stdout)
+    assert sorted(found) == list(range(determine_local_world_size("auto")))
+    assert all(rep["argv"] == ["z"] for rep in found.values())
+    assert all(rep["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "True" for rep in found.values())
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is ignored" in res.stderr
+
+
+def test_bad_arguments_fail_before_starting_anything():
     res = launch(["--no_python", "/bin/true"])
     assert res.returncode == 2 and "--use_env" in res.stderr
     assert res.stdout == ""
+
+
+@pytest.mark.parametrize("options,message", [
+    (["--nnodes", "2", "--node_rank", "2"], "--node_rank 2 is out of range"),
+    (["--nnodes", "2:1"], "need 0 < MIN <= MAX"),
+    (["--nnodes", "1:2:3"], "must be N or MIN:MAX"),
+    (["--nproc-per-node", "0"], "must be at least 1"),
+    (["--redirects", "7"], "--redirects '7'"),
+    (["--local-ranks-filter", "0,x"], "--local-ranks-filter must be local ranks"),
+    (["--use-env", "--local-rank-arg", "local-rank"], "contradict"),
+    (["--max-restarts", "-1"], "must not be negative"),
+    (["--no-python", "-m"], "cannot be used together"),
+])
+def test_bad_options_are_refused(options, message, capsys):
+    from tdist.launch import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args([*options, "script.py"])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_option_spellings():
+    """torch.distributed.launch's underscores and torchrun's dashes name the same options."""
+    from tdist.launch import parse_args
+
+    for spelling in (["--no_prefix", "--grace_period", "2"], ["--no-prefix", "--grace-period", "2"]):
+        args = parse_args([*spelling, "script.py"])
+        assert args.no_prefix and args.grace_period == 2.0
 
 
 # --------------------------------------------------------------------------- output
@@ -167,17 +240,114 @@ def test_prefixes_stdout_and_stderr_lines(tmp_path):
     assert all(line.startswith("[rank ") for line in res.stdout.splitlines())
 
 
-@pytest.mark.parametrize("flag", ["--no-prefix", "--no_prefix"])
-def test_no_prefix(tmp_path, flag):
+def test_no_prefix(tmp_path):
     script = write(tmp_path, "talk.py", """
         import os, sys
         sys.stdout.write("plain out %s\\n" % os.environ["RANK"])
         sys.stderr.write("plain err %s\\n" % os.environ["RANK"])
     """)
-    res = launch(["--nproc_per_node", "2", flag, script])
+    res = launch(["--nproc_per_node", "2", "--no_prefix", script])
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == ["plain out 0", "plain out 1"]
     assert sorted(res.stderr.splitlines()) == ["plain err 0", "plain err 1"]
+
+
+TALK = """
+import os, sys
+rank = os.environ["RANK"]
+print(f"out from {rank}")
+print(f"err from {rank}", file=sys.stderr)
+"""
+
+
+def log_files(log_dir: Path, name: str) -> dict[int, str]:
+    """{local rank: text} of ``<log_dir>/<run id>_*/attempt_0/<local rank>/<name>``."""
+    (run_dir,) = log_dir.iterdir()
+    attempt = run_dir / "attempt_0"
+    return {int(d.name): (d / name).read_text() for d in attempt.iterdir() if (d / name).exists()}
+
+
+def test_local_ranks_filter(tmp_path):
+    script = write(tmp_path, "talk.py", TALK)
+    res = launch(["--nproc-per-node", "3", "--local-ranks-filter", "1", script], launcher=TDISTRUN)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "[rank 1] out from 1\n"
+    assert "[rank 1] err from 1\n" in res.stderr and "from 0" not in res.stderr and "from 2" not in res.stderr
+
+
+def test_redirects_and_tee_write_log_files(tmp_path):
+    """--redirects 3: both streams only to <log-dir>/<run>/attempt_0/<local rank>/std{out,err}.log;
+    --tee 1: stdout to its file and (prefixed) to the console, stderr to the console only."""
+    script = write(tmp_path, "talk.py", TALK)
+    redirected = tmp_path / "redirected"
+    res = launch(["--nproc-per-node", "2", "--redirects", "3", "--log-dir", str(redirected), script], launcher=TDISTRUN)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "" and "from" not in res.stderr
+    assert log_files(redirected, "stdout.log") == {0: "out from 0\n", 1: "out from 1\n"}
+    assert log_files(redirected, "stderr.log") == {0: "err from 0\n", 1: "err from 1\n"}
+
+    teed = tmp_path / "teed"
+    res = launch(["--nproc-per-node", "2", "--tee", "1", "--log-dir", str(teed), script], launcher=TDISTRUN)
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[rank 0] out from 0", "[rank 1] out from 1"]
+    assert "[rank 0] err from 0\n" in res.stderr
+    assert log_files(teed, "stdout.log") == {0: "out from 0\n", 1: "out from 1\n"}
+    assert log_files(teed, "stderr.log") == {}
+
+
+def test_variables_as_torchrun_sets_them(tmp_path):
+    """Every variable torchrun gives its workers, tdistrun gives too, with the same values
+    (those that name this run's files, ids and ports aside)."""
+    script = write(tmp_path, "env.py", "import json, os; print(json.dumps(dict(os.environ)))")
+    options = ["--nproc-per-node", "2", "--max-restarts", "2", "--role", "trainer", "--log-dir", str(tmp_path)]
+    torchrun = [sys.executable, "-c", "import sys; from torch.distributed.run import main; sys.exit(main())"]
+    ours = launch([*options, script], launcher=TDISTRUN)
+    assert ours.returncode == 0, ours.stderr
+    theirs = launch([*options, script], launcher=torchrun)
+    assert theirs.returncode == 0, theirs.stderr
+    by_rank = {json.loads(line)["RANK"]: json.loads(line) for line in theirs.stdout.splitlines()}
+    base = base_env()
+    varying = {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT"}
+    for rank, mine in reports(ours.stdout).items():
+        torch_env = by_rank[str(rank)]
+        added = {k for k in torch_env if base.get(k) != torch_env[k]}
+        assert {"TORCHELASTIC_RESTART_COUNT", "ROLE_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"} <= added
+        assert added <= set(mine), added - set(mine)
+        assert {k: mine[k] for k in added - varying} == {k: torch_env[k] for k in added - varying}
+        assert mine["ROLE_NAME"] == "trainer" and mine["TORCHELASTIC_MAX_RESTARTS"] == "2"
+        assert mine["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{rank}/error.json")
+
+
+# --------------------------------------------------------------------------- restarts
+FLAKY = """
+import json, os, sys
+rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+print(f"attempt {attempt} of {os.environ['TORCHELASTIC_MAX_RESTARTS']} restarts", flush=True)
+if rank == "1" and (attempt == "0" or "--always" in sys.argv):
+    if "--always" in sys.argv:  # what torch's @record writes for an exception
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": "ValueError: boom", "extraInfo": {"timestamp": "0"}}}, f)
+    sys.exit(4)
+"""
+
+
+def test_max_restarts_restarts_the_whole_group(tmp_path):
+    """rank 1 fails in attempt 0; the agent stops rank 0 too, starts both again with
+    TORCHELASTIC_RESTART_COUNT=1, and the job succeeds. A worker that keeps failing ends
+    the job with its exit status once the restarts are spent, and its error file's message."""
+    script = write(tmp_path, "flaky.py", FLAKY)
+    res = launch(["--nproc-per-node", "2", "--max-restarts", "1", script], launcher=TDISTRUN)
+    assert res.returncode == 0, res.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] attempt 1 of 1 restarts" in res.stdout
+    assert "[rank 1] attempt 0 of 1 restarts" in res.stdout
+    assert "rank 1 (local rank 1" in res.stderr and "failed with exit code 4" in res.stderr
+    assert "restarting the worker group (restart 1 of 1)" in res.stderr
+
+    res = launch(["--nproc-per-node", "2", "--max-restarts", "1", script, "--always"], launcher=TDISTRUN)
+    assert res.returncode == 4
+    assert res.stdout.count("[rank 1] attempt") == 2
+    assert "tdistrun: rank 1 failed with exit code 4 after 1 restart(s): ValueError: boom" in res.stderr
 
 
 # --------------------------------------------------------------------------- failures and signals
@@ -247,7 +417,8 @@ def _start_and_wait(tmp_path, extra, count):
     script = write(tmp_path, "sleeper.py", SLEEPER)
     pids_file = tmp_path / "pids"
     proc = subprocess.Popen(
-        [*LAUNCH, "--nproc_per_node", "2", "--grace_period", "3", "--use_env", script, *extra, str(pids_file)],
+        [*LAUNCH, "--nproc_per_node", "2", "--grace_period", "3", "--log-dir", str(tmp_path / "logs"), "--use_env",
+         script, *extra, str(pids_file)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(), start_new_session=True,
     )
     try:
@@ -292,7 +463,9 @@ def test_tdistrun_console_script(tmp_path):
     if not tdistrun.exists():
         pytest.skip("tdistrun is not installed (pip install -e core)")
     script = write(tmp_path, "report.py", REPORT)
-    res = subprocess.run([str(tdistrun), "--nproc_per_node", "2", script], capture_output=True, text=True,
+    res = subprocess.run([str(tdistrun), "--nproc_per_node", "2", script, "w"], capture_output=True, text=True,
                          env=base_env(), timeout=60)
     assert res.returncode == 0, res.stderr
-    assert sorted(reports(res.stdout)) == [0, 1]
+    found = reports(res.stdout)
+    assert sorted(found) == [0, 1]
+    assert found[1]["argv"] == ["w"]  # as torchrun: LOCAL_RANK only, no --local_rank argument

@@ -1,192 +1,353 @@
-r"""``tdist.launch``: start several processes of a training script on each node.
+r"""``tdistrun`` and ``python -m tdist.launch``: start the workers of a training script
+on each node, with torchrun's options and semantics.
 
-A drop-in for ``torch.distributed.launch``, run as ``python -m tdist.launch`` or
-``tdistrun``::
+``tdistrun`` is ``torchrun`` (``torch.distributed.run``) built on the same
+``torch.distributed.elastic`` agent: every torchrun option is accepted with torchrun's
+meaning and default (``--nnodes MIN:MAX``, ``--standalone``, ``--rdzv-backend/-endpoint/-id/-conf``,
+``--max-restarts``, ``--nproc-per-node auto``, ``--log-dir``, ``--redirects``, ``--tee``,
+``--local-ranks-filter``, ``--role``, ``--run-path``, ``-m``, ``--no-python``, ...; also
+from ``PET_*`` variables), and every worker gets the variables torchrun sets::
 
-    tdistrun --nproc_per_node=4 train.py --backend tcp      # one node, free port picked
+    tdistrun --nproc-per-node=4 train.py --backend tcp     # one node: a private c10d store
+    tdistrun --standalone --nproc-per-node=auto train.py   # the same, one worker per CPU/GPU
+    tdistrun --nproc-per-node=4 --max-restarts=3 train.py  # restart the whole group on failure
 
-    # two nodes (run on each, with its --node_rank):
-    tdistrun --nproc_per_node=4 --nnodes=2 --node_rank=0 \
-        --master_addr=192.168.1.1 --master_port=1234 train.py --backend tcp
+    # two nodes (run on each, with its --node-rank):
+    tdistrun --nproc-per-node=4 --nnodes=2 --node-rank=0 \
+        --master-addr=192.168.1.1 --master-port=29500 train.py
 
-Every worker gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-``GROUP_RANK`` (the node rank), ``MASTER_ADDR`` and ``MASTER_PORT``, so the script
-calls ``tdist.init_process_group(backend)`` (``env://``). The script also
-receives ``--local_rank=N`` as its first argument, unless ``--use_env`` is given
-(then it reads ``os.environ["LOCAL_RANK"]``). Accept both spellings in the script::
+    # elastic: 1 to 4 nodes join one c10d rendezvous (run the same line on each node)
+    tdistrun --nproc-per-node=4 --nnodes=1:4 --rdzv-backend=c10d \
+        --rdzv-endpoint=192.168.1.1:29400 --rdzv-id=job42 train.py
+
+``python -m tdist.launch`` is ``torch.distributed.launch``: the same launcher, which also
+passes ``--local_rank=N`` to the script (the spelling of the seed, unlike torch 2.x's
+``--local-rank``) unless ``--use_env`` is given. ``--local-rank-arg local-rank`` passes
+torch 2.x's ``--local-rank=N`` instead, with either launcher (``tdistrun`` passes no
+argument unless asked, as torchrun). Accept both spellings in a script::
 
     parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
 
-Beyond ``torch.distributed.launch``:
+The workers' environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_NAME``, ``ROLE_WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT`` (the agent's store), ``TORCHELASTIC_RESTART_COUNT``,
+``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_USE_AGENT_STORE``,
+``TORCHELASTIC_ERROR_FILE``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``OMP_NUM_THREADS=1``
+with several workers (unless set), as torchrun sets them; and tdist's
+``TDIST_STORE_PREFIX`` (the keys of this attempt in the agent's store), plus, with
+``TDIST_STORE_TOKEN`` set, ``TDIST_STORE_ADDR``/``TDIST_STORE_PORT`` (below).
+``tdist.init_process_group`` (``env://``) joins the agent's store as a client: the
+store listens from the moment the agent starts to its end, so no port is ever free
+for another process to take in between (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+which makes torchrun leave such a port free, is ignored).
 
-- with ``--nnodes=1`` and no ``--master_port``, a free port is picked;
-- each output line of a worker is prefixed with its rank (``[rank 2] ...``, on
-  stdout and stderr), live (``PYTHONUNBUFFERED=1``); ``--no_prefix`` turns that
-  off: workers then write to the launcher's streams directly, with Python's
-  usual buffering (set ``PYTHONUNBUFFERED=1`` yourself for live output);
-- when a worker exits with a non-zero status, the others get SIGTERM, then
-  SIGKILL after ``--grace_period`` seconds, and the launcher exits with the
-  failed worker's status, naming its rank;
-- SIGINT/SIGTERM/SIGHUP to the launcher are forwarded to the workers, with the
-  same grace period; each worker runs in its own session, and everything in
-  those sessions is gone when the launcher returns (on Linux the workers also
-  die if the launcher itself is killed with SIGKILL).
+Restarts: when a worker fails, every worker of the node is stopped (SIGTERM, SIGKILL
+after the grace period) and, while restarts are left (``--max-restarts``, default 0),
+the agents rendezvous again and start a fresh group; ``TORCHELASTIC_RESTART_COUNT``
+says which attempt a worker belongs to. With no restarts left, the launcher exits
+with the failed worker's exit status, naming its rank.
 
-Options use underscores as in ``torch.distributed.launch``; the dashed spellings
-(``--nproc-per-node``, ...) are accepted too.
+Beyond torchrun:
+
+- each output line of a worker reaches the console live, prefixed with its rank
+  (``[rank 2] ...``; ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` changes it), tee'd and
+  redirected streams included; ``--no-prefix`` lets workers write to the launcher's
+  streams directly, with Python's usual buffering;
+- every worker runs in its own session: stopping waits for everything the workers
+  started, then SIGKILLs what is left; nothing outlives the launcher (on Linux the
+  workers also die if the launcher is killed with SIGKILL);
+- ``--grace-period`` (default 5 s; torchrun's ``--shutdown-timeout`` too) applies to
+  every stop, not only to signals;
+- signals in ``--signals-to-handle`` are forwarded to the workers and the launcher
+  exits with ``128 + signal``; a second one SIGKILLs the workers at once;
+- without ``--log-dir``, the log directory (error files) is removed at the end unless
+  streams were redirected to it;
+- with ``TDIST_STORE_TOKEN`` set, each agent also hosts an authenticated tdist store on
+  a port it holds from its start; the workers get the address of group rank 0's store
+  in ``TDIST_STORE_ADDR``/``TDIST_STORE_PORT``, which ``env://`` prefers to the agent
+  store (torch's TCPStore cannot authenticate). torch programs keep using the agent
+  store through ``MASTER_ADDR``/``MASTER_PORT``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
-from typing import Optional, Sequence
+import uuid
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ._launch.workers import WorkerGroup, WorkerSpec, free_port
+from ._launch.workers import describe_status, exit_status, write_locked
 
-__all__ = ["main", "launch", "parse_args", "get_args_parser", "worker_specs", "DEFAULT_MASTER_PORT"]
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
-#: The port used when several nodes take part and none is given (torch's default).
+__all__ = ["main", "launch_module_main", "launch", "parse_args", "get_args_parser", "launch_config",
+           "DEFAULT_MASTER_PORT", "DEFAULT_GRACE_PERIOD"]
+
+#: torchrun's port for a static rendezvous when none is given.
 DEFAULT_MASTER_PORT = 29500
-_FORWARDED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+#: Seconds between SIGTERM (or the forwarded signal) and SIGKILL when stopping workers.
+DEFAULT_GRACE_PERIOD = 5.0
+PROG = "tdistrun"
+LAUNCH_MODULE_PROG = "python -m tdist.launch"
+_RUN_PATH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
-def _both(name: str) -> list[str]:
-    """``--nproc_per_node`` and ``--nproc-per-node``."""
-    spellings = [f"--{name}"]
-    if "_" in name:
-        spellings.append(f"--{name.replace('_', '-')}")
-    return spellings
+def log(message: str) -> None:
+    """One line of the launcher's own, on stderr, never inside a worker's line."""
+    try:
+        write_locked(sys.stderr, f"tdistrun: {message}\n".encode())
+    except (OSError, ValueError):
+        pass
 
 
-def get_args_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tdistrun",
-        description="Start several processes of a tdist (torch.distributed) training script on each node.",
-        epilog="Every worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, "
-        "MASTER_PORT in its environment, and --local_rank=N as first argument unless --use_env is given.",
-        allow_abbrev=False,
-    )
-    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default: 1)")
-    parser.add_argument(*_both("node_rank"), dest="node_rank", type=int, default=0,
-                        help="rank of this node, 0..nnodes-1 (default: 0)")
-    parser.add_argument(*_both("nproc_per_node"), dest="nproc_per_node", type=int, default=1,
-                        help="number of processes to start on this node (default: 1)")
-    parser.add_argument(*_both("master_addr"), dest="master_addr", default="127.0.0.1",
-                        help="address of the node of rank 0 (default: 127.0.0.1)")
-    parser.add_argument(*_both("master_port"), dest="master_port", type=int, default=None,
-                        help="free port on the node of rank 0 (default: a free port when --nnodes=1, "
-                        f"else {DEFAULT_MASTER_PORT})")
-    parser.add_argument(*_both("use_env"), dest="use_env", action="store_true",
-                        help="do not pass --local_rank; the script reads LOCAL_RANK from the environment")
-    parser.add_argument("-m", "--module", action="store_true",
-                        help="run the script as a module, like 'python -m'")
-    parser.add_argument(*_both("no_python"), dest="no_python", action="store_true",
-                        help="run the script as an executable, not through the Python interpreter "
-                        "(requires --use_env)")
-    parser.add_argument(*_both("no_prefix"), dest="no_prefix", action="store_true",
-                        help="do not prefix each output line with '[rank N] ' (workers write to the "
-                        "launcher's stdout and stderr directly)")
-    parser.add_argument(*_both("grace_period"), dest="grace_period", type=float, default=5.0,
-                        help="seconds between SIGTERM and SIGKILL when stopping workers (default: 5)")
-    parser.add_argument("training_script", help="the script (or module with -m) to run, then its arguments")
-    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+def get_args_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """torchrun's parser (``torch.distributed.run.get_args_parser``) with tdistrun's options."""
+    from torch.distributed.run import get_args_parser as torchrun_parser
+
+    parser = torchrun_parser()
+    parser.prog = prog
+    parser.description = "Start the workers of a training script on this node, as torchrun does (tdist's launcher)."
+    parser.epilog = ("Workers get torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, "
+                     "TORCHELASTIC_*, ...). See tdist's docs: guide/launch.")
+    parser.add_argument("--use-env", "--use_env", dest="use_env", action="store_true",
+                        help="do not pass --local_rank to the script (python -m tdist.launch; tdistrun never passes "
+                        "it unless --local-rank-arg is given)")
+    parser.add_argument("--local-rank-arg", "--local_rank_arg", dest="local_rank_arg", default=None,
+                        choices=("local_rank", "local-rank"),
+                        help="pass --local_rank=N (python -m tdist.launch's default) or torch 2.x's --local-rank=N "
+                        "to the script")
+    parser.add_argument("--no-prefix", "--no_prefix", dest="no_prefix", action="store_true",
+                        help="do not prefix each output line with '[rank N] ' (workers write to the launcher's "
+                        "stdout and stderr directly)")
+    parser.add_argument("--grace-period", "--grace_period", dest="grace_period", type=float, default=None,
+                        help="seconds between SIGTERM (or a forwarded signal) and SIGKILL when stopping workers "
+                        "(default: --shutdown-timeout, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "
+                        f"else {DEFAULT_GRACE_PERIOD:g})")
     return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse and check the launcher's command line (``sys.argv[1:]`` by default)."""
-    parser = get_args_parser()
-    args = parser.parse_args(argv)
-    if args.nnodes < 1:
-        parser.error(f"--nnodes must be at least 1, got {args.nnodes}")
-    if args.nproc_per_node < 1:
-        parser.error(f"--nproc_per_node must be at least 1, got {args.nproc_per_node}")
-    if not 0 <= args.node_rank < args.nnodes:
-        parser.error(f"--node_rank {args.node_rank} is out of range for --nnodes {args.nnodes} (0..{args.nnodes - 1})")
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, launch_module: bool) -> None:
+    """Reject bad options before anything starts (exit status 2, as argparse)."""
+    from torch.distributed.elastic.multiprocessing import Std
+    from torch.distributed.run import parse_min_max_nnodes
+
+    try:
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except (RuntimeError, ValueError):
+        parser.error(f"--nnodes must be N or MIN:MAX, got {args.nnodes!r}")
+    if not 0 < min_nodes <= max_nodes:
+        parser.error(f"--nnodes {args.nnodes}: need 0 < MIN <= MAX")
+    if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) < 1:
+        parser.error(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
+    if args.rdzv_backend == "static" and not args.standalone and not 0 <= args.node_rank < max_nodes:
+        parser.error(f"--node_rank {args.node_rank} is out of range for --nnodes {args.nnodes} (0..{max_nodes - 1})")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         parser.error(f"--master_port must be in 1..65535, got {args.master_port}")
-    if args.grace_period < 0:
-        parser.error(f"--grace_period must not be negative, got {args.grace_period}")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must not be negative, got {args.max_restarts}")
+    for name in ("grace_period", "shutdown_timeout"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    for name in ("redirects", "tee"):
+        try:
+            Std.from_str(getattr(args, name))
+        except ValueError:
+            parser.error(f"--{name} {getattr(args, name)!r}: expected 0-3 (1 stdout, 2 stderr, 3 both) "
+                         "or local_rank:value pairs such as 0:3,1:1")
+    if args.local_ranks_filter:
+        try:
+            {int(r) for r in args.local_ranks_filter.split(",")}
+        except ValueError:
+            parser.error(f"--local-ranks-filter must be local ranks separated by commas (0,1,2), "
+                         f"got {args.local_ranks_filter!r}")
     if args.no_python and args.module:
         parser.error("--no_python and --module cannot be used together")
-    if args.no_python and not args.use_env:
+    if args.use_env and args.local_rank_arg:
+        parser.error("--use_env and --local-rank-arg contradict each other")
+    if launch_module and args.no_python and not args.use_env and not args.local_rank_arg:
         parser.error("--no_python requires --use_env (a program that is not Python gets LOCAL_RANK, not --local_rank)")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, *, launch_module: bool = False) -> argparse.Namespace:
+    """Parse and check the launcher's command line (``sys.argv[1:]`` by default).
+
+    ``launch_module``: as ``python -m tdist.launch`` (which passes ``--local_rank=N``
+    unless ``--use_env``) rather than ``tdistrun``. ``args.local_rank_arg`` is then the
+    spelling of the argument the script gets, or None.
+    """
+    parser = get_args_parser(LAUNCH_MODULE_PROG if launch_module else PROG)
+    args = parser.parse_args(argv)
+    _check(parser, args, launch_module)
+    if launch_module and not args.use_env and args.local_rank_arg is None:
+        args.local_rank_arg = "local_rank"
     return args
 
 
-def worker_specs(args: argparse.Namespace, environ: Optional[dict[str, str]] = None) -> list[WorkerSpec]:
-    """The command and environment of each worker of this node.
+def _grace_period(args: argparse.Namespace) -> float:
+    if args.grace_period is not None:
+        return float(args.grace_period)
+    if args.shutdown_timeout is not None:
+        return float(args.shutdown_timeout)
+    return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_GRACE_PERIOD))
 
-    ``args.master_port`` must be set (see :func:`launch`).
-    """
-    base = dict(os.environ if environ is None else environ)
-    world_size = args.nnodes * args.nproc_per_node
-    base.update(
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(args.nproc_per_node),
-        GROUP_RANK=str(args.node_rank),
-        MASTER_ADDR=args.master_addr,
-        MASTER_PORT=str(args.master_port),
-    )
-    if not args.no_prefix:
-        # Line by line through the pipes. Not with --no_prefix, where workers share
-        # the launcher's streams: unbuffered, one print() is several writes that
-        # interleave with the other workers' (torch's launcher runs "python -u").
-        base["PYTHONUNBUFFERED"] = "1"
-    if args.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
-        base["OMP_NUM_THREADS"] = "1"  # as torch.distributed.launch: don't oversubscribe the cores
-    specs = []
-    for local_rank in range(args.nproc_per_node):
-        rank = args.node_rank * args.nproc_per_node + local_rank
-        env = dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank))
-        if args.no_python:
-            cmd = [args.training_script]
-        elif args.module:
-            cmd = [sys.executable, "-m", args.training_script]
-        else:
-            cmd = [sys.executable, args.training_script]
-        if not args.use_env:
-            cmd.append(f"--local_rank={local_rank}")
-        cmd.extend(args.training_script_args)
-        specs.append(WorkerSpec(rank=rank, local_rank=local_rank, cmd=cmd, env=env))
-    return specs
+
+def _worker_command(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The workers' program and arguments, as torchrun builds them (``${local_rank}`` is
+    replaced per worker)."""
+    local_rank = [f"--{args.local_rank_arg}=${{local_rank}}"] if args.local_rank_arg else []
+    python = os.getenv("PYTHON_EXEC", sys.executable)
+    unbuffered = [] if args.no_prefix else ["-u"]
+    if args.run_path:
+        return python, [*unbuffered, "-c", _RUN_PATH, args.training_script, *local_rank, *args.training_script_args]
+    if args.no_python:
+        return args.training_script, [*local_rank, *args.training_script_args]
+    module = ["-m"] if args.module else []
+    return python, [*unbuffered, *module, args.training_script, *local_rank, *args.training_script_args]
+
+
+def launch_config(args: argparse.Namespace) -> tuple["LaunchConfig", str, list[str]]:
+    """torchrun's ``LaunchConfig`` for ``args`` (``torch.distributed.run.config_from_args``,
+    after torchrun's choice of rendezvous: ``--standalone``, or one node without a
+    ``--master-port``, is a c10d rendezvous on a port the agent binds itself), and the
+    workers' program and arguments."""
+    from torch.distributed.run import config_from_args, determine_local_world_size, parse_min_max_nnodes
+
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
+                           and parse_min_max_nnodes(args.nnodes)[1] == 1):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = DEFAULT_MASTER_PORT
+    args.nproc_per_node = str(determine_local_world_size(args.nproc_per_node))
+    if int(args.nproc_per_node) > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun (which also prints a banner about it)
+    use_env = getattr(args, "use_env", False)
+    args.use_env = True  # config_from_args' own command is not used
+    try:
+        config, _, _ = config_from_args(args)
+    finally:
+        args.use_env = use_env
+    program, program_args = _worker_command(args)
+    return config, program, program_args
+
+
+def _host_tdist_store(config: "LaunchConfig") -> Any:
+    """Token mode: an authenticated tdist store, listening from now to the launcher's end
+    (on the loopback interface when the job has one node)."""
+    from ._store import TCPStoreServer
+
+    host = "127.0.0.1" if config.max_nodes == 1 else (config.local_addr or "")
+    return TCPStoreServer(host, 0).start()
+
+
+def _signal_handlers(names: str) -> dict[int, Any]:
+    """The current handlers of the signals in ``names`` (torch's process context replaces
+    them when the workers start, with handlers that raise SignalException for the agent
+    to forward; before that, a signal has its usual effect, as in torchrun: a handler
+    would not run while torch's C++ rendezvous code blocks)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    signums = (getattr(signal, name.strip(), None) for name in names.split(","))
+    return {s: signal.getsignal(s) for s in signums if isinstance(s, signal.Signals)}
+
+
+def _report(agent: Any, result: Any) -> int:
+    """The launcher's exit status for the agent's ``result``, with a message when it failed."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    if result.state == WorkerState.SUCCEEDED:
+        return 0
+    after = f" after {agent.restarts_done} restart(s)" if agent.restarts_done else ""
+    failure = agent.first_failure()
+    if failure is None:
+        log(f"the worker group ended {result.state.name}{after}")
+        return 1
+    rank, process = failure
+    detail = ""
+    if os.path.isfile(process.error_file):  # written by a script whose main is decorated with torch's @record
+        message = process.message.get("message") if isinstance(process.message, dict) else process.message
+        detail = f": {message}" if message else ""
+    log(f"rank {rank} failed with {describe_status(process.exitcode)}{after}{detail}")
+    return exit_status(process.exitcode)
 
 
 def launch(args: argparse.Namespace) -> int:
-    """Run the workers of this node described by ``args``; return the exit status.
+    """Run this node's agent and its workers as ``args`` say; return the exit status.
 
-    Installs handlers for SIGINT, SIGTERM and SIGHUP while the workers run
-    (when called from the main thread) and restores the previous ones after.
+    While workers run, the signals of ``--signals-to-handle`` are forwarded to them
+    (torch's process context installs the handlers); the previous handlers are
+    restored at the end (when called from the main thread).
     """
-    if args.master_port is None:
-        args.master_port = free_port("") if args.nnodes == 1 else DEFAULT_MASTER_PORT
-    group = WorkerGroup(worker_specs(args), prefix=not args.no_prefix, grace_period=args.grace_period)
-    previous: dict[int, object] = {}
-    if threading.current_thread() is threading.main_thread():
-        for name in _FORWARDED_SIGNALS:
-            signum = getattr(signal, name, None)
-            if signum is not None:
-                previous[signum] = signal.signal(signum, group.on_signal)
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    from ._launch.agent import DEFAULT_PREFIX_TEMPLATE, create_agent, run_agent
+    from ._store.tcp_store import TOKEN_ENV
+
+    if os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1":
+        log("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is ignored: the workers join the agent's store, which listens "
+            "from the agent's start (torchrun would pick a free port and leave it free until rank 0 binds it)")
+    own_log_dir = None
+    if args.log_dir is None:
+        own_log_dir = args.log_dir = tempfile.mkdtemp(prefix="tdistrun-")
+    previous = _signal_handlers(args.signals_to_handle)
+    tdist_store = agent = None
     try:
-        group.start()
-        return group.run()
+        config, program, program_args = launch_config(args)
+        if os.environ.get(TOKEN_ENV):
+            tdist_store = _host_tdist_store(config)
+        template = None if args.no_prefix else os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+                                                              DEFAULT_PREFIX_TEMPLATE)
+        agent = create_agent(config, program, program_args, grace_period=_grace_period(args),
+                             prefix_template=template, tdist_store=tdist_store, log=log)
+        return _report(agent, run_agent(agent, config))
+    except SignalException as exc:  # forwarded by the agent; a second one ends up here at once
+        if agent is not None:
+            agent.kill_all()
+        log(f"received {exc.sigval.name}; forwarded it to {agent.signalled if agent else 0} running worker(s)")
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:  # SIGINT before the workers started
+        log("interrupted before the workers started")
+        return 128 + int(signal.SIGINT)
+    except Exception as exc:  # rendezvous, store or start failures: one line, not a traceback
+        if agent is not None:
+            agent.kill_all()
+        log(f"{type(exc).__name__}: {exc}")
+        return 1
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)  # type: ignore[arg-type]
+            signal.signal(signum, handler)
+        if tdist_store is not None:
+            tdist_store.stop()
+        if own_log_dir is not None:
+            if args.redirects == "0" and args.tee == "0":
+                shutil.rmtree(own_log_dir, ignore_errors=True)
+            else:
+                log(f"worker logs are in {own_log_dir}")
+
+
+def _main(argv: Optional[Sequence[str]], launch_module: bool) -> int:
+    try:
+        import torch.distributed.elastic  # noqa: F401
+    except ImportError as exc:
+        print(f"tdistrun: needs torch (torch.distributed.elastic runs the workers): {exc}", file=sys.stderr)
+        return 1
+    return launch(parse_args(argv, launch_module=launch_module))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``tdistrun`` and ``python -m tdist.launch``."""
-    try:
-        return launch(parse_args(argv))
-    except OSError as exc:  # e.g. the script's interpreter cannot be started
-        print(f"tdistrun: cannot start the workers: {exc}", file=sys.stderr)
-        return 1
+    """Entry point of ``tdistrun`` (torchrun's semantics)."""
+    return _main(argv, launch_module=False)
+
+
+def launch_module_main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m tdist.launch`` (passes ``--local_rank=N`` unless ``--use_env``)."""
+    return _main(argv, launch_module=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(launch_module_main())

@@ -1,5 +1,3 @@
-"""Helpers of :mod:`tdist.launch`: worker processes and their output."""
-
-from .workers import Worker, WorkerGroup, WorkerSpec, free_port
-
-__all__ = ["Worker", "WorkerGroup", "WorkerSpec", "free_port"]
+"""Helpers of :mod:`tdist.launch`: ``workers`` (processes and their output; no torch),
+``processes`` (one attempt's workers as a torchelastic process context) and ``agent``
+(torch's LocalElasticAgent starting them)."""

@@ -1,0 +1,226 @@
+"""The worker processes of one attempt, as torchelastic's agent drives them.
+
+:class:`WorkerProcesses` is a ``torch.distributed.elastic`` process context
+(``PContext``: what ``LocalElasticAgent`` starts, polls with ``wait(0)`` and stops with
+``close(signal)``) that differs from torch's ``SubprocessContext`` where tdistrun did
+better: each output line reaches the console live with a rank prefix (through pipes,
+not by tailing files), tee'd and redirected streams are written by the same readers,
+every worker runs in its own session with ``PR_SET_PDEATHSIG``, stopping waits for
+everything in the workers' process groups (grandchildren too) for ``grace_period``
+seconds before SIGKILL, and a failure is reported naming the worker's global rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Any, Callable, Optional
+
+from torch.distributed.elastic.multiprocessing.api import LogsSpecs, PContext, RunProcsResult
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from .workers import OutputRoute, describe_status, group_members, pdeathsig_preexec, popen_target, start_pump
+
+__all__ = ["WorkerProcesses"]
+
+_POLL_INTERVAL = 0.02
+
+
+class _Worker:
+    """One started worker: its process and the threads that copy its output."""
+
+    def __init__(self, local_rank: int, rank: int, proc: "subprocess.Popen[bytes]") -> None:
+        self.local_rank = local_rank
+        self.rank = rank
+        self.proc = proc
+        self.pgid = proc.pid  # start_new_session: the worker leads its own process group
+        self.threads: list[threading.Thread] = []
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.pgid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class WorkerProcesses(PContext):
+    """The workers of one attempt on this node (see the module docstring).
+
+    ``entrypoint`` and ``args[local_rank]`` form each worker's command line, ``envs``
+    is added to the launcher's environment. ``log_line_prefixes[local_rank]`` prefixes
+    the worker's console lines (None: no prefix, and streams that are only shown are
+    inherited rather than piped). ``logs_specs`` decides, as in torchrun, which streams
+    go to files (``--redirects``), to files and the console (``--tee``), or nowhere
+    (``--local-ranks-filter``). ``log`` receives the launcher's own messages.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: str,
+        args: dict[int, tuple],
+        envs: dict[int, dict[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: Optional[dict[int, str]],
+        *,
+        grace_period: float,
+        log: Callable[[str], None],
+        duplicate_stdout_filters: Optional[list[str]] = None,
+        duplicate_stderr_filters: Optional[list[str]] = None,
+        numa_options: Any = None,
+    ) -> None:
+        # PContext.__init__ would also set up torch's file tailers for --tee; our pumps copy
+        # tee'd streams, so set what PContext's start()/wait()/close() use ourselves.
+        self.name = name
+        self.entrypoint = entrypoint
+        self.args = args
+        self.envs = envs
+        self.nprocs = len(args)
+        dest = logs_specs.reify(envs)  # also sets each worker's TORCHELASTIC_ERROR_FILE
+        self.stdouts, self.stderrs, self.error_files = dest.stdouts, dest.stderrs, dest.error_files
+        self._tee = (dest.tee_stdouts, dest.tee_stderrs)
+        self.filtered_stdout = open(dest.filtered_stdout, "w", errors="replace", buffering=1) \
+            if duplicate_stdout_filters else None  # noqa: SIM115 -- PContext.close closes them
+        self.filtered_stderr = open(dest.filtered_stderr, "w", errors="replace", buffering=1) \
+            if duplicate_stderr_filters else None  # noqa: SIM115
+        self._tail_logs = []
+        self._prefixes = log_line_prefixes
+        self._needles = ([f.encode() for f in duplicate_stdout_filters or ()],
+                         [f.encode() for f in duplicate_stderr_filters or ()])
+        self._numa_options = numa_options
+        self.grace_period = grace_period
+        self.log = log
+        self._consoles = (sys.stdout, sys.stderr)
+        self._workers: dict[int, _Worker] = {}
+        self._files: list[IO[bytes]] = []
+        self._failures: dict[int, ProcessFailure] = {}
+        self._running: set[int] = set(range(self.nprocs))
+        #: The first worker that failed on its own (not stopped by the launcher), if any.
+        self.first_failure: Optional[ProcessFailure] = None
+        #: How many running workers the last close() signalled.
+        self.signalled = 0
+
+    # ------------------------------------------------------------------ starting
+    def _route(self, local_rank: int, stream: int) -> OutputRoute:
+        """Where stream 0 (stdout) or 1 (stderr) of ``local_rank`` goes: torchrun's choice
+        (LogsSpecs.reify: "" console, a path: a file, tee'd: both), tdistrun's prefixes."""
+        dest = (self.stdouts, self.stderrs)[stream][local_rank]
+        tee = local_rank in self._tee[stream]
+        log_file = None
+        if dest and dest != os.devnull:
+            log_file = open(dest, "wb")  # noqa: SIM115 -- closed in _close
+            self._files.append(log_file)
+        shown = dest == "" or tee
+        prefix = b"" if self._prefixes is None else self._prefixes[local_rank].encode()
+        filtered = (self.filtered_stdout, self.filtered_stderr)[stream] if tee else None
+        return OutputRoute(console=self._consoles[stream] if shown else None, prefix=prefix, log_file=log_file,
+                           filtered=filtered, needles=self._needles[stream])
+
+    def _command(self, local_rank: int) -> tuple[str, ...]:
+        cmd = (str(self.entrypoint), *(str(a) for a in self.args[local_rank]))
+        if self._numa_options is not None:
+            from torch.numa.binding import _maybe_wrap_command_args_with_numa_binding
+
+            cmd = _maybe_wrap_command_args_with_numa_binding(cmd, gpu_index=local_rank, numa_options=self._numa_options)
+        return cmd
+
+    def _start(self) -> None:
+        preexec = pdeathsig_preexec()
+        for stream in self._consoles:
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for local_rank in range(self.nprocs):
+            routes = (self._route(local_rank, 0), self._route(local_rank, 1))
+            proc = subprocess.Popen(
+                self._command(local_rank),
+                env={**os.environ, **self.envs[local_rank]},
+                stdout=popen_target(routes[0]),
+                stderr=popen_target(routes[1]),
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
+            worker = _Worker(local_rank, int(self.envs[local_rank].get("RANK", local_rank)), proc)
+            self._workers[local_rank] = worker
+            for pipe, route, what in ((proc.stdout, routes[0], "out"), (proc.stderr, routes[1], "err")):
+                if pipe is not None:
+                    worker.threads.append(start_pump(pipe, route, f"tdistrun-rank{worker.rank}-{what}"))
+
+    # ------------------------------------------------------------------ polling
+    def pids(self) -> dict[int, int]:
+        return {local_rank: worker.proc.pid for local_rank, worker in self._workers.items()}
+
+    def _poll(self) -> Optional[RunProcsResult]:
+        failed: Optional[_Worker] = None
+        for local_rank in sorted(self._running):
+            worker = self._workers[local_rank]
+            code = worker.proc.poll()
+            if code is None:
+                continue
+            self._running.discard(local_rank)
+            if code != 0:
+                self._failures[local_rank] = ProcessFailure(local_rank=local_rank, pid=worker.proc.pid, exitcode=code,
+                                                            error_file=self.error_files.get(local_rank, ""))
+                failed = failed or worker
+        if self._running and not self._failures:
+            return None
+        if failed is not None and self.first_failure is None:
+            self.first_failure = self._failures[failed.local_rank]
+            self.log(f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) failed with "
+                     f"{describe_status(failed.proc.returncode)}; stopping {len(self._running)} other worker(s)")
+        self.close()
+        result = RunProcsResult(failures=dict(self._failures), stdouts=self.stdouts, stderrs=self.stderrs)
+        if not result.is_failed():
+            result.return_values = dict.fromkeys(range(self.nprocs))
+        return result
+
+    def rank_of(self, local_rank: int) -> int:
+        """The global rank of the worker with ``local_rank``."""
+        return self._workers[local_rank].rank
+
+    # ------------------------------------------------------------------ stopping
+    def _leftovers(self) -> list[int]:
+        """Live processes in the workers' groups (workers or what they started)."""
+        return [pid for w in self._workers.values() for pid in group_members(w.pgid)]
+
+    def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+        """Send ``death_sig`` to every worker's process group, give them ``grace_period``
+        seconds (``timeout`` is torch's and not used), then SIGKILL whatever is left of
+        the groups; wait for the output to drain."""
+        workers = list(self._workers.values())
+        alive = [w for w in workers if w.proc.poll() is None]
+        if alive or self._leftovers():
+            self.signalled = len(alive)
+            for worker in workers:
+                worker.signal_group(death_sig)
+            deadline = time.monotonic() + self.grace_period
+            while time.monotonic() < deadline:
+                if all(w.proc.poll() is not None for w in workers) and not self._leftovers():
+                    break
+                time.sleep(_POLL_INTERVAL)
+            stragglers = [w.rank for w in workers if w.proc.poll() is None]
+            if stragglers:
+                self.log(f"rank(s) {stragglers} still running after {self.grace_period:g} s grace period; "
+                         "sending SIGKILL")
+            for worker in workers:
+                worker.signal_group(signal.SIGKILL)
+            for worker in workers:
+                try:
+                    worker.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.log(f"rank {worker.rank} (pid {worker.proc.pid}) did not exit after SIGKILL")
+        for worker in workers:
+            for thread in worker.threads:
+                thread.join(timeout=2.0)
+        for file in self._files:
+            file.close()
+
+    def kill_all(self) -> None:
+        """SIGKILL every worker's process group at once (a second signal to the launcher)."""
+        for worker in self._workers.values():
+            worker.signal_group(signal.SIGKILL)
