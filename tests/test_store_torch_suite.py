@@ -14,14 +14,12 @@ import builtins
 import functools
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
 import time
 import types
 import unittest
-from contextlib import closing
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, Tuple
@@ -29,6 +27,7 @@ from typing import Any, Callable, Dict, Tuple
 import pytest
 
 import tdist
+from tdist._local import free_port
 
 VENDORED = Path(__file__).parent / "vendor" / "torch" / "torch_test_store.py"
 
@@ -107,13 +106,6 @@ def _multi_threaded_test_case() -> type:
     return MultiThreadedTestCase
 
 
-def _find_free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
 def create_tcp_store(addr: str = "localhost", world_size: int = 1, is_master: bool = True,
                      timeout: timedelta = timedelta(minutes=5), wait_for_workers: bool = True,
                      jit_class: bool = False, use_libuv: bool = True) -> tdist.TCPStore:
@@ -157,7 +149,7 @@ def _modules() -> Dict[str, types.ModuleType]:
     common_utils.__dict__.update(
         ACCELERATOR_TYPE=None, ADDRESS_IN_USE="Address already in use", CONNECT_TIMEOUT="connect() timed out.",
         load_tests=None, retry_on_connect_failures=retry_on_connect_failures, run_tests=unittest.main,
-        TestCase=unittest.TestCase, instantiate_parametrized_tests=lambda cls: cls, find_free_port=_find_free_port)
+        TestCase=unittest.TestCase, instantiate_parametrized_tests=lambda cls: cls, find_free_port=lambda: free_port("localhost"))
     common_distributed = types.ModuleType("torch.testing._internal.common_distributed (tdist adapter)")
     common_distributed.__dict__.update(
         MultiThreadedTestCase=_multi_threaded_test_case(), create_tcp_store=create_tcp_store,

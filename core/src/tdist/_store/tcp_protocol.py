@@ -7,7 +7,8 @@ Handshake (mutual authentication when a token is set):
    is 1, ``HMAC-SHA256(token, "tdist-store/server" | client nonce | server nonce)``: the server
    proves it knows the token before the client reveals anything.
 3. with ``auth``: client -> server ``HMAC-SHA256(token, "tdist-store/client" | both nonces)``;
-   the server answers ``ACK`` or hangs up.
+   the server answers ``ACK``, or ``NAK`` and hangs up (a hang-up without ``NAK``, a connection
+   shed under load or past the handshake deadline, is worth retrying).
 
 A client holding a token refuses a server that does not authenticate (no downgrade) and a
 server whose proof is wrong; a server with a token refuses a client whose proof is wrong.
@@ -31,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .base import MAX_TIMEOUT_S
 
-__all__ = ["MAGIC", "VERSION", "NONCE_BYTES", "PROOF_BYTES", "ACK", "TOKEN_ENV", "token_bytes", "server_proof",
+__all__ = ["MAGIC", "VERSION", "NONCE_BYTES", "PROOF_BYTES", "ACK", "NAK", "TOKEN_ENV", "token_bytes", "server_proof",
            "client_proof", "encode_request", "encode_reply", "encode_list", "decode_list", "parse_request",
            "timeout_arg", "ProtocolError", "MAX_ARG_BYTES", "MAX_ARGS", "MAX_REQUEST_BYTES", "NAMES"]
 
@@ -41,6 +42,7 @@ VERSION = 2
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 ACK = b"\x01"
+NAK = b"\x00"  # a wrong proof; a connection closed without it (shed under load) is worth retrying
 CLIENT_HELLO_BYTES = len(MAGIC) + 1 + NONCE_BYTES
 SERVER_HELLO_BYTES = len(MAGIC) + 2 + NONCE_BYTES  # + PROOF_BYTES when the server authenticates
 

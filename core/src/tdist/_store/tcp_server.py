@@ -32,7 +32,7 @@ from .._errors import DistNetworkError, DistStoreError
 from .table import KeyTable
 from .tcp_protocol import (
     ACK, ADD, APPEND, BARRIER, CHECK, CLIENT_HELLO_BYTES, COMPARE_SET, DELETE, EMPTY, ERROR, GET, LIST_KEYS, MAGIC,
-    MULTI_GET, MULTI_SET, NONCE_BYTES, NUM_KEYS, OK, PING, PROOF_BYTES, QUEUE_LEN, QUEUE_POP, QUEUE_PUSH, SET,
+    MULTI_GET, MULTI_SET, NAK, NONCE_BYTES, NUM_KEYS, OK, PING, PROOF_BYTES, QUEUE_LEN, QUEUE_POP, QUEUE_PUSH, SET,
     TIMEOUT, VERSION, WAIT, ProtocolError, client_proof, encode_list, encode_reply, parse_request, server_proof,
     timeout_arg, token_bytes,
 )
@@ -45,6 +45,7 @@ HANDSHAKE_TIMEOUT = 10.0
 _RECV_BYTES = 256 << 10
 _MAX_UNSENT = 256 << 20
 _HELLO, _PROOF, _READY = 0, 1, 2
+_HELLO_HEAD = MAGIC + bytes([VERSION])
 _OK_EMPTY = encode_reply(OK)
 _TRUE, _FALSE = encode_reply(OK, b"\x01"), encode_reply(OK, b"\x00")
 
@@ -437,10 +438,11 @@ class TCPStoreServer:
     def _handshake(self, conn: _Conn) -> None:
         buf = conn.buf
         if conn.state == _HELLO:
+            head = bytes(buf[: len(_HELLO_HEAD)])
+            if not _HELLO_HEAD.startswith(head):  # checked from the first byte: garbage is dropped at once
+                raise ProtocolError("bad handshake magic or version")
             if len(buf) < CLIENT_HELLO_BYTES:
                 return
-            if bytes(buf[: len(MAGIC) + 1]) != MAGIC + bytes([VERSION]):
-                raise ProtocolError("bad handshake magic or version")
             conn.nonce = bytes(buf[len(MAGIC) + 1 : CLIENT_HELLO_BYTES])
             del buf[:CLIENT_HELLO_BYTES]
             conn.server_nonce = os.urandom(NONCE_BYTES)
@@ -458,6 +460,7 @@ class TCPStoreServer:
             proof = bytes(buf[:PROOF_BYTES])
             del buf[:PROOF_BYTES]
             if not hmac.compare_digest(proof, client_proof(self._token, conn.nonce, conn.server_nonce)):
+                self._send(conn, NAK)
                 raise ProtocolError("authentication failed")
             self._send(conn, ACK)
             self._authenticated(conn)

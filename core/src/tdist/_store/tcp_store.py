@@ -219,8 +219,8 @@ class TCPStore(Store):
                 _TENANTS[self._port] = lease
         return lease
 
-    def _connect(self, deadline: float) -> socket.socket:
-        """Connect and authenticate, retrying until ``deadline``."""
+    def _connect(self, deadline: float, retry: bool = True) -> socket.socket:
+        """Connect and authenticate, retrying until ``deadline`` (once only without ``retry``)."""
         delay = 0.01
         while True:
             remaining = deadline - time.monotonic()
@@ -240,6 +240,8 @@ class TCPStore(Store):
                     sock.close()
                     raise
             remaining = deadline - time.monotonic()
+            if not retry:
+                raise StoreConnectionError(f"{self._where}: cannot connect to the server: {error}") from error
             if remaining <= 0:
                 raise StoreConnectTimeoutError(
                     f"{self._where}: the client socket has timed out after {_ms(self._timeout)}ms while trying to "
@@ -261,20 +263,19 @@ class TCPStore(Store):
             if self._token:
                 raise DistStoreError(
                     f"{self._where}: refusing the server: this store holds a token but the server does not "
-                    "authenticate; a process without the token may be squatting the port")
+                    "authenticate (token downgrade); a process without the token may be squatting the port")
             return
         if not self._token:
             raise DistStoreError(f"{self._where}: authentication failed: the server requires a token "
                                  f"(pass token= or set {TOKEN_ENV})")
         proof = _recv_exact(sock, PROOF_BYTES)
         if not hmac.compare_digest(proof, server_proof(self._token, nonce, server_nonce)):
-            raise DistStoreError(f"{self._where}: refusing the server: it could not prove it knows the token "
-                                 "(a different token, or an impostor squatting the port)")
+            raise DistStoreError(f"{self._where}: authentication failed: the server could not prove it knows "
+                                 "this store's token (the tokens differ, or an impostor squats the port); refusing it")
         sock.sendall(client_proof(self._token, nonce, server_nonce))
-        try:
-            ack = sock.recv(1)  # the server hangs up on a wrong proof
-        except OSError:
-            ack = b""
+        ack = sock.recv(1)
+        if not ack:  # shed under load or past the deadline, not refused: the caller retries
+            raise ConnectionError("the server closed the connection during the handshake")
         if ack != ACK:
             raise DistStoreError(f"{self._where}: authentication failed (wrong token)")
 
@@ -306,7 +307,7 @@ class TCPStore(Store):
             if self._closed:
                 raise DistStoreError(f"{self._where}: the store is closed")
             if self._sock is None:
-                self._sock = self._connect(time.monotonic() + min(self._timeout, HANDSHAKE_TIMEOUT))
+                self._sock = self._connect(time.monotonic() + min(self._timeout, HANDSHAKE_TIMEOUT), retry=False)
             sock = self._sock
             try:
                 if sock.gettimeout() != limit:  # settimeout costs two fcntl calls: only when it changes

@@ -111,6 +111,8 @@ class TorchStore(Store):
         return [bytes(v) for v in values]
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"TorchStore.multi_set: {len(keys)} keys but {len(values)} values")
         data = [as_bytes(v) for v in values]
         self._call("multi_set", keys, lambda: self.torch_store.multi_set(list(keys), data))
 
