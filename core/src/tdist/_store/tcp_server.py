@@ -162,6 +162,11 @@ class TCPStoreServer:
         return len(self._pending)
 
     @property
+    def parked_requests(self) -> int:
+        """Requests waiting for keys (a get of a missing key, a wait, a blocking pop, a barrier)."""
+        return sum(1 for conn in list(self._conns.values()) if conn.parked is not None)
+
+    @property
     def connections(self) -> int:
         """Open client connections (mid-handshake ones included)."""
         return len(self._conns)
