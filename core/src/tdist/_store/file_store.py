@@ -183,8 +183,7 @@ class FileStore(Store):
 
     def _count(self, key: bytes, amount: int) -> Record:
         """The SET record that adds ``amount`` to counter ``key`` (lock held, file synced)."""
-        name = key.decode("utf-8", "replace")
-        return _SET, key, add_to_value(self._where, name, self._table.values.get(key), amount)
+        return _SET, key, add_to_value(self._where, key, self._table.values.get(key), int(amount))
 
     def _poll(self, ready: Callable[[], Optional[T]], keys: Sequence[str], timeout: Timeout,
               exclusive: bool = False) -> T:

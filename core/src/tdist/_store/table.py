@@ -10,7 +10,7 @@ counts its internal keys), ``list_keys`` leaves them out. Queues live beside the
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._errors import DistStoreError
 
@@ -19,17 +19,16 @@ __all__ = ["KeyTable", "add_to_value", "compare_set_result", "INTERNAL_PREFIX"]
 INTERNAL_PREFIX = b"\x00"
 
 
-def add_to_value(owner: str, key: str, current: Optional[bytes], amount: int) -> bytes:
+def add_to_value(owner: str, key: Union[str, bytes], current: Optional[bytes], amount: int) -> bytes:
     """The new value of counter ``key`` after adding ``amount`` (decimal ASCII, like torch)."""
     if current is None:
-        base = 0
-    else:
-        try:
-            base = int(current)
-        except ValueError:
-            raise DistStoreError(
-                f"{owner}: add: the value of key {key!r} is not an integer: {current[:64]!r}") from None
-    return str(base + int(amount)).encode()
+        return b"%d" % amount
+    try:
+        return b"%d" % (int(current) + amount)
+    except ValueError:
+        name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+        raise DistStoreError(
+            f"{owner}: add: the value of key {name!r} is not an integer: {current[:64]!r}") from None
 
 
 def compare_set_result(current: Optional[bytes], expected: bytes, desired: bytes) -> Tuple[bool, bytes]:
@@ -63,7 +62,7 @@ class KeyTable:
         return [k for k in keys if not self.has(k)]
 
     def add(self, key: bytes, amount: int) -> bytes:
-        value = add_to_value(self.owner, key.decode("utf-8", "replace"), self.values.get(key), amount)
+        value = add_to_value(self.owner, key, self.values.get(key), amount)
         self.values[key] = value
         return value
 

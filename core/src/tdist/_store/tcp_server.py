@@ -288,19 +288,20 @@ class TCPStoreServer:
         try:
             while not self._stopping:
                 for key, mask in sel.select(self._next_delay()):
-                    data = key.data
-                    if data == "listen":
-                        self._accept(key.fileobj)  # type: ignore[arg-type]
-                    elif data == "wake":
-                        return
-                    else:
-                        conn: _Conn = data
+                    conn = key.data
+                    if type(conn) is _Conn:
                         if mask & selectors.EVENT_READ and not conn.closed:
                             self._on_read(conn)
                         if mask & selectors.EVENT_WRITE and not conn.closed:
                             self._flush(conn)
-                    self._drain_resume()
-                self._fire_timers()
+                        if self._resume:
+                            self._drain_resume()
+                    elif conn == "listen":
+                        self._accept(key.fileobj)  # type: ignore[arg-type]
+                    else:  # "wake": stop() was called
+                        return
+                if self._timers and self._timers[0][0] <= time.monotonic():
+                    self._fire_timers()
         except Exception:  # a bug must not leave clients hanging: they see the connection close
             log.exception("TCPStoreServer %s:%s: event loop failed", self._host, self._port)
         finally:
@@ -407,6 +408,15 @@ class TCPStoreServer:
         if not size:
             self._close(conn)
             return
+        if conn.state == _READY and conn.parked is None and not conn.buf:
+            try:  # the common case: serve straight from the receive buffer, keep only a partial request
+                data = self._rview[:size]
+                used = self._serve(conn, data)
+                if used < size and not conn.closed:
+                    conn.buf += data[used:]
+            except Exception as exc:  # noqa: BLE001 - whatever one client caused ends only its connection
+                self._drop(conn, exc)
+            return
         conn.buf += self._rview[:size]
         try:
             if conn.state != _READY:
@@ -417,6 +427,17 @@ class TCPStoreServer:
             self._drop(conn, exc)
 
     def _send(self, conn: _Conn, data: bytes) -> None:
+        if not conn.out:  # the common case: nothing queued, send directly
+            try:
+                sent = conn.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._close(conn)
+                return
+            if sent == len(data):
+                return
+            data = data[sent:]
         conn.out += data
         self._flush(conn)
 
@@ -478,7 +499,13 @@ class TCPStoreServer:
     # ----------------------------------------------------------------- requests
     def _process(self, conn: _Conn) -> None:
         """Serve the complete requests buffered on ``conn`` until one parks it."""
-        buf, pos, replies = conn.buf, 0, []
+        used = self._serve(conn, conn.buf)
+        if used:
+            del conn.buf[:used]
+
+    def _serve(self, conn: _Conn, buf: Union[bytearray, memoryview]) -> int:
+        """Serve the complete requests in ``buf`` until one parks ``conn``; return the bytes used."""
+        pos, replies = 0, []
         handlers = self._handlers
         while conn.parked is None and not conn.closed:
             request = parse_request(buf, pos)
@@ -488,10 +515,9 @@ class TCPStoreServer:
             reply = handlers[cmd](conn, args)
             if reply is not None:
                 replies.append(reply)
-        if pos:
-            del buf[:pos]
         if replies and not conn.closed:
-            self._send(conn, b"".join(replies))
+            self._send(conn, replies[0] if len(replies) == 1 else b"".join(replies))
+        return pos
 
     def _drain_resume(self) -> None:
         while self._resume:

@@ -297,11 +297,10 @@ class TCPStore(Store):
     # --------------------------------------------------------------- requests
     def _request(self, cmd: int, args: Sequence[bytes], wait: Optional[float] = None) -> Tuple[int, bytes]:
         """Send one request and read its reply; ``wait`` is the server-side timeout it may block for."""
-        for arg in args:
-            if len(arg) > MAX_ARG_BYTES:
-                raise DistStoreError(
-                    f"{self._where}: {NAMES[cmd]}: an argument exceeds the {MAX_ARG_BYTES >> 20} MiB limit")
         frame = encode_request(cmd, args)
+        if len(frame) > MAX_ARG_BYTES and any(len(arg) > MAX_ARG_BYTES for arg in args):
+            raise DistStoreError(
+                f"{self._where}: {NAMES[cmd]}: an argument exceeds the {MAX_ARG_BYTES >> 20} MiB limit")
         limit = (self._timeout if wait is None else wait) + _SOCKET_MARGIN
         with self._lock:
             if self._closed:
@@ -376,7 +375,7 @@ class TCPStore(Store):
         return self._blocking(GET, [key], timeout)[0]
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._request(ADD, [key.encode(), str(int(amount)).encode()])[1])
+        return int(self._request(ADD, (key.encode(), b"%d" % int(amount)))[1])
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
         return self._request(COMPARE_SET, [key.encode(), as_bytes(expected), as_bytes(desired)])[1]
