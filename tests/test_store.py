@@ -517,6 +517,13 @@ def test_file_store_deleted_by_last_user(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(20)
+def test_file_store_refuses_a_device_and_never_removes_it() -> None:
+    with pytest.raises(DistStoreError, match="not a regular file"):
+        FileStore("/dev/null", world_size=1, timeout=1)
+    assert os.path.exists("/dev/null")
+
+
+@pytest.mark.timeout(20)
 def test_file_store_rejects_foreign_file(tmp_path: Path) -> None:
     path = tmp_path / "foreign"
     path.write_bytes(b"this is not a store file")

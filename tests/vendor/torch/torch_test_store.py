@@ -1,13 +1,14 @@
 # Vendored from PyTorch: test/distributed/test_store.py
 #   https://github.com/pytorch/pytorch/blob/main/test/distributed/test_store.py
 #   revision: github.com/ashramac/pytorch (a fork of pytorch/pytorch) at commit
-#   1223e2d13803b33b6bb95fa813b079c46da735b0, the retrievable revision closest to v2.13.0: it exercises exactly torch 2.13's Store
-#   API (Store.barrier, list_keys, queues; no later additions such as _test_thpstore_unwrap).
-#   The v2.13.0 tag itself could not be retrieved here (the repository snapshot is over the size limit).
-# Copyright (c) 2016-     Facebook, Inc and the PyTorch contributors; BSD-3-Clause license,
+#   1223e2d13803b33b6bb95fa813b079c46da735b0, the retrievable revision closest to v2.13.0:
+#   it exercises exactly torch 2.13's Store API (Store.barrier, list_keys, queues) and
+#   nothing added later (such as _test_thpstore_unwrap, which torch 2.13 lacks). The
+#   v2.13.0 tag itself could not be retrieved here (the repository snapshot is too large).
+# Copyright (c) 2016- Facebook, Inc and the PyTorch contributors; BSD-3-Clause license,
 # reproduced in full in LICENSE next to this file.
-# Everything below this header is the file as published, unchanged. tdist runs it through its
-# own adapter, tests/test_store_torch_suite.py (which lists the excluded tests and why).
+# Everything below this header is the file as published, unchanged. tdist runs it through
+# its own adapter, tests/test_store_torch_suite.py, which lists the excluded tests and why.
 # Owner(s): ["oncall: distributed"]
 
 import datetime

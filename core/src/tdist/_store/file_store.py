@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import struct
 import threading
 import time
@@ -81,6 +82,9 @@ class FileStore(Store):
         except OSError as exc:
             raise DistStoreError(f"{self._where}: cannot open the store file: {exc}") from exc
         try:
+            if not stat.S_ISREG(os.fstat(self._fd).st_mode):  # a device, a FIFO: no log, and never removed
+                raise DistStoreError(f"{self._where}: not a regular file; a FileStore needs a file it can "
+                                     "append to and remove")
             with self._locked(exclusive=True) as fd:
                 self._append(fd, [self._count(_REFCOUNT, 1)])
         except BaseException:
