@@ -36,7 +36,7 @@ def servers(request: pytest.FixtureRequest) -> Iterator[dict]:
     """One server with a token (pre-handshake fuzzing) and one without (request fuzzing), and a
     legitimate client of each; at the end, checks that nothing leaked."""
     os.environ.pop(tcp_store.TOKEN_ENV, None)
-    fds, threads = _open_fds(), threading.active_count()
+    fds, threads = _open_fds(), set(threading.enumerate())
     guarded = TCPStoreServer(HOST, 0, token=TOKEN, handshake_timeout=0.5).start()
     open_ = TCPStoreServer(HOST, 0, token="").start()
     clients = {"guarded": TCPStore(HOST, guarded.port, timeout=10, token=TOKEN),
@@ -47,8 +47,8 @@ def servers(request: pytest.FixtureRequest) -> Iterator[dict]:
         assert server.pending_handshakes == 0 and server.parked_requests == 0 and server.connections == 1
         client.close()
         server.stop()
-    assert threading.active_count() == threads
-    assert _open_fds() == fds
+    assert not set(threading.enumerate()) - threads  # the servers' event-loop threads ended
+    assert _open_fds() <= fds  # (other tests' sockets may close meanwhile; none of ours may stay open)
 
 
 def _send_and_drain(port: int, data: bytes) -> None:

@@ -28,7 +28,7 @@ import hmac
 import math
 import os
 import struct
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .base import MAX_TIMEOUT_S
 
@@ -115,31 +115,36 @@ def encode_reply(status: int, payload: bytes = b"") -> bytes:
     return HEAD.pack(status, len(payload)) + payload
 
 
-def parse_request(buf: Union[bytes, bytearray], pos: int) -> Optional[Tuple[int, List[bytes], int]]:
+def parse_request(buf: Union[bytes, bytearray, memoryview], pos: int,
+                  _head: Any = HEAD.unpack_from, _u32: Any = U32.unpack_from) -> Optional[Tuple[int, List[bytes], int]]:
     """The request at ``buf[pos:]`` as ``(command, arguments, end)``, None while incomplete;
     raises ProtocolError for an unknown command, a wrong arity or an argument over the limits."""
     n = len(buf)
-    if n - pos < HEAD.size:
+    if n - pos < 5:
         return None
-    cmd, count = HEAD.unpack_from(buf, pos)
+    cmd, count = _head(buf, pos)
     arity = ARITY.get(cmd)
     if arity is None or not arity[0] <= count <= arity[1]:
         raise ProtocolError(f"command {cmd} with {count} arguments")
-    # first walk the lengths (cheap), copy only once the whole request is there
-    p, total, spans = pos + HEAD.size, 0, []
+    # walk the lengths first (cheap); copy only once the whole request is there
+    p, total = pos + 5, 0
     for _ in range(count):
         if n - p < 4:
             return None
-        (size,) = U32.unpack_from(buf, p)
+        (size,) = _u32(buf, p)
         total += size
         if size > MAX_ARG_BYTES or total > MAX_REQUEST_BYTES:
             raise ProtocolError(f"an argument of {size} bytes is over the limit")
+        p += 4 + size
+    if p > n:
+        return None
+    args, p = [], pos + 5
+    for _ in range(count):
+        (size,) = _u32(buf, p)
         p += 4
-        spans.append((p, p + size))
+        args.append(bytes(buf[p : p + size]))
         p += size
-        if p > n:
-            return None
-    return cmd, [bytes(buf[a:b]) for a, b in spans], p
+    return cmd, args, p
 
 
 def timeout_arg(arg: bytes) -> float:

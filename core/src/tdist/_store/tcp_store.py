@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import os
 import socket
+import struct
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -49,6 +50,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError(f"connection closed by peer ({len(buf)} of {n} bytes received)")
         buf += chunk
     return bytes(buf)
+
+
+def _set_io_timeout(sock: socket.socket, limit: float) -> None:
+    """Bound every send and receive on the blocking ``sock`` by ``limit`` seconds in the kernel
+    (a socket with a Python timeout would poll() before every call: two more system calls a request)."""
+    limit = max(limit, 0.001)
+    timeval = struct.pack("@ll", int(limit), int((limit % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def _ms(seconds: float) -> int:
@@ -116,6 +126,7 @@ class TCPStore(Store):
                  master_listen_fd: Optional[int] = None, use_libuv: bool = True, *,
                  token: Union[str, bytes, None] = None) -> None:
         self._sock: Optional[socket.socket] = None
+        self._io_limit = -1.0  # the send/receive timeout set on _sock
         self._lease: Optional[_ServerLease] = None
         self._closed = False
         if world_size is not None and int(world_size) == 0:
@@ -143,7 +154,7 @@ class TCPStore(Store):
         """Another connection to ``other``'s server, sharing its lease on the server."""
         clone = cls.__new__(cls)
         Store.__init__(clone, other.timeout)
-        clone._sock, clone._closed = None, False
+        clone._sock, clone._closed, clone._io_limit = None, False, -1.0
         clone._host, clone._port, clone._world_size = other._host, other._port, other._world_size
         clone._use_libuv, clone._token, clone._lock = other._use_libuv, other._token, threading.Lock()
         clone._lease = other._lease.acquire() if other._lease is not None else None
@@ -231,7 +242,8 @@ class TCPStore(Store):
             else:
                 try:
                     self._handshake(sock, min(HANDSHAKE_TIMEOUT, max(deadline - time.monotonic(), 0.05)))
-                    sock.settimeout(None)
+                    sock.settimeout(None)  # blocking: requests are bounded by SO_RCVTIMEO/SO_SNDTIMEO instead
+                    self._io_limit = -1.0
                     return sock
                 except OSError as exc:  # e.g. the server shut down, or shed us, mid-handshake
                     sock.close()
@@ -309,11 +321,12 @@ class TCPStore(Store):
                 self._sock = self._connect(time.monotonic() + min(self._timeout, HANDSHAKE_TIMEOUT), retry=False)
             sock = self._sock
             try:
-                if sock.gettimeout() != limit:  # settimeout costs two fcntl calls: only when it changes
-                    sock.settimeout(limit)
+                if limit != self._io_limit:
+                    _set_io_timeout(sock, limit)
+                    self._io_limit = limit
                 sock.sendall(frame)
                 status, payload = self._read_reply(sock)
-            except socket.timeout as exc:
+            except (socket.timeout, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO/SO_SNDTIMEO expired
                 self._drop_connection()
                 raise DistStoreTimeoutError(f"{self._where}: {NAMES[cmd]}: no reply within {limit:g} s (timeout); "
                                             "connection dropped") from exc
