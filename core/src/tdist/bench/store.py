@@ -6,6 +6,9 @@ Two measurements, each on both stores, with every client in a process of its own
 * ``clients`` clients doing ``ops`` ``add``s each on one counter, all at once: the wall time from
   the start signal until the last client is done, and the server's throughput.
 
+The two stores alternate round by round and medians are reported: on a shared machine the
+load changes between rounds.
+
 The server runs in this process (the master store); clients start, check in, wait for the
 start signal, and report through the store itself.
 """
@@ -106,10 +109,16 @@ def _adds(kind: str, clients: int, ops: int) -> Dict[str, float]:
 
 
 def store_bench(clients: int = 16, ops: int = 1000, keys: int = 100, repeats: int = 5) -> Dict[str, Any]:
-    """Both measurements on both stores; returns one dict of numbers per store kind."""
+    """Both measurements on both stores, the stores alternating round by round (so that a change
+    in the machine's load hits both alike); medians over ``repeats`` rounds, per store kind."""
     out: Dict[str, Any] = {"clients": clients, "ops": ops, "keys": keys, "repeats": repeats}
+    rounds: Dict[str, List[Dict[str, float]]] = {kind: [] for kind in KINDS}
+    for _ in range(repeats):
+        for kind in KINDS:
+            rounds[kind].append({**_multi_get(kind, keys, 1), **_adds(kind, clients, ops)})
     for kind in KINDS:
-        out[kind] = {**_multi_get(kind, keys, repeats), **_adds(kind, clients, ops)}
+        out[kind] = {name: statistics.median(r[name] for r in rounds[kind]) for name in rounds[kind][0]}
+        out[kind]["rounds"] = rounds[kind]
     return out
 
 
@@ -121,7 +130,7 @@ def format_store_bench(r: Dict[str, Any]) -> str:
         (f"{r['clients']} clients x {r['ops']} add (wall)", t["adds_wall_s"], o["adds_wall_s"], "s"),
     ]
     lines = [f"TCPStore: tdist against torch (libuv server), clients in separate processes, "
-             f"median of {r['repeats']}:",
+             f"median of {r['repeats']} alternating rounds:",
              f"  {'operation':40s} {'tdist':>12s} {'torch':>12s} {'tdist/torch':>12s}"]
     for name, a, b, unit in rows:
         lines.append(f"  {name:40s} {a:10.3f} {unit:<1s} {b:10.3f} {unit:<1s} {a / b:11.2f}x")
