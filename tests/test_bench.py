@@ -53,6 +53,17 @@ def test_core_overhead_mode(tmp_path):
     assert "core's own cost" in proc.stdout
 
 
+def test_store_mode(tmp_path):
+    out = tmp_path / "store.json"
+    proc = _run(["--store", "--store-clients", "2", "--store-ops", "50", "--store-keys", "10", "--repeats", "1",
+                 "--json", str(out)], tmp_path, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "multi_get of 10 keys" in proc.stdout and "2 clients x 50 add" in proc.stdout
+    result = json.loads(out.read_text())["results"][0]
+    for kind in ("tdist", "torch"):
+        assert result[kind]["multi_get_s"] > 0 and result[kind]["adds_per_s"] > 0
+
+
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     from tdist.bench.plot import plot

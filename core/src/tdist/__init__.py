@@ -75,7 +75,18 @@ from ._objects import (
 )
 from ._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from ._reduce_op import ReduceOp, Reduction, make_premul_sum, reduce_op, supports_complex
-from ._store import FileStore, HashStore, PrefixStore, Store, TCPStore, TorchStore, as_torch_store, from_torch_store
+from ._rendezvous.iterator import rendezvous
+from ._store import (
+    FileStore,
+    HashStore,
+    PrefixStore,
+    QueueEmptyError,
+    Store,
+    TCPStore,
+    TorchStore,
+    as_torch_store,
+    from_torch_store,
+)
 from ._subgroups import new_subgroups, new_subgroups_by_enumeration
 from ._work import Work
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
@@ -109,6 +120,7 @@ __all__ = [
     "ReduceOp", "reduce_op", "Reduction", "make_premul_sum", "supports_complex", "Work",
     # stores
     "Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "TorchStore", "as_torch_store", "from_torch_store",
+    "QueueEmptyError", "rendezvous",
     # errors
     "DistError", "DistBackendError", "DistStoreError", "DistNetworkError", "DistBackendTimeoutError",
     "DistStoreTimeoutError", "DistStateError",

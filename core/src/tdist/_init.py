@@ -13,7 +13,7 @@ from ._errors import DistError, DistStateError, DistStoreTimeoutError, NotInitia
 from ._groups import STATE, GroupMember, ProcessGroup, resolve_group
 from ._plugins import plugins
 from ._store import PrefixStore
-from ._store.base import Store
+from ._store.base import Store, timeout_seconds
 
 __all__ = [
     "init_process_group",
@@ -253,6 +253,7 @@ def init_process_group(
         timeout = default_pg_timeout
     if not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    timeout_seconds(timeout, 0.0, "init_process_group")  # a timeout too large to wait for: ValueError now
     _check_rank_args(rank, world_size, zero_is_unset=store is None)
     options = dict(pg_options or {})
     if device_id is not None:

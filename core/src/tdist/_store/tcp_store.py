@@ -1,397 +1,171 @@
-"""``TCPStore``: a store served over TCP by one process of the job.
+"""``TCPStore``: a store served over TCP by one process of the job (torch.distributed.TCPStore's API).
 
-Wire protocol (big-endian, no pickle):
-
-* Handshake. The client sends ``b"TDSTORE" + version``; the server answers
-  ``b"TDSTORE" + version + auth flag (u8) + 32-byte random nonce``. If the server
-  has a shared secret, the client sends ``HMAC-SHA256(token, nonce)`` and the
-  server answers one byte ``0x01``, or closes the connection if the digest is wrong.
-* Requests: ``command (u8) | argument count (u32) | per argument: length (u32), bytes``.
-  Timeouts travel as a float64 (seconds), counters as decimal ASCII.
-* Replies: ``status (u8) | payload length (u32) | payload``; status is OK, TIMEOUT
-  (payload: the missing keys, encoded like request arguments) or ERROR (UTF-8 text).
-
-A malformed request, a wrong magic or version, or a failed authentication makes the
-server drop that one connection; everyone else keeps being served.
+The client speaks the protocol of :mod:`.tcp_protocol` to a :class:`TCPStoreServer`; the
+master (``is_master=True``) runs that server in its process. Every operation, extended ones
+included, is one request and one reply, done atomically by the server.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import logging
-import math
 import os
-import selectors
 import socket
 import struct
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .._errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from .._work import Timeout
-from .base import DEFAULT_STORE_TIMEOUT, Store, Value, as_bytes
-from .hash_store import add_to_value, compare_set_result
+from .base import DEFAULT_STORE_TIMEOUT, QueueEmptyError, Store, Value, as_bytes, wait_timeout_error
+from .table import INTERNAL_PREFIX
+from .tcp_protocol import (
+    ACK, ADD, APPEND, BARRIER, CHECK, COMPARE_SET, DELETE, EMPTY, ERROR, F64, GET, HEAD,
+    LIST_KEYS, MAGIC, MAX_ARG_BYTES, MAX_ARGS, MAX_REQUEST_BYTES, MULTI_GET, MULTI_SET, NAMES, NONCE_BYTES, NUM_KEYS,
+    PING, PROOF_BYTES, QUEUE_LEN, QUEUE_POP, QUEUE_PUSH, SERVER_HELLO_BYTES, SET, TIMEOUT, TOKEN_ENV, VERSION, WAIT,
+    client_proof, decode_list, encode_request, server_proof, token_bytes,
+)
+from .tcp_server import HANDSHAKE_TIMEOUT, TCPStoreServer, UnresolvableHostError
 
-__all__ = ["TCPStore", "TCPStoreServer", "StoreConnectionError", "TOKEN_ENV"]
+__all__ = ["TCPStore", "TCPStoreServer", "StoreConnectionError", "StoreConnectTimeoutError", "TOKEN_ENV"]
 
-log = logging.getLogger(__name__)
-
-TOKEN_ENV = "TDIST_STORE_TOKEN"
-MAGIC = b"TDSTORE"
-VERSION = 1
-MAX_ARG_BYTES = 64 << 20
-MAX_ARGS = 1024
-MAX_REQUEST_BYTES = 256 << 20
-HANDSHAKE_TIMEOUT = 10.0
 _SOCKET_MARGIN = 2.0  # a client waits this much longer than the server-side timeout
-
-SET, GET, ADD, COMPARE_SET, WAIT, CHECK, DELETE, NUM_KEYS, PING = range(1, 10)
-_NAMES = dict(enumerate("SET GET ADD COMPARE_SET WAIT CHECK DELETE NUM_KEYS PING".split(), 1))
-_ARITY = {SET: (2, 2), GET: (2, 2), ADD: (2, 2), COMPARE_SET: (3, 3), WAIT: (2, MAX_ARGS),
-          CHECK: (1, MAX_ARGS), DELETE: (1, 1), NUM_KEYS: (0, 0), PING: (0, 1)}
-OK, TIMEOUT, ERROR = 0, 1, 2
-_U32 = struct.Struct("!I")
-_F64 = struct.Struct("!d")
-_REPLY = struct.Struct("!BI")
-_WORKERS_KEY = b"\x00tdist/workers"  # keys starting with NUL are internal: num_keys skips them
+_INIT_KEY = INTERNAL_PREFIX + b"tdist/init"  # counts the stores that joined with a known world size
+_AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 class StoreConnectionError(DistNetworkError, DistStoreError):
     """The connection to a TCPStore server failed or was lost (both a network and a store error)."""
 
 
-class _Drop(Exception):
-    """The peer broke the protocol: close its connection."""
-
-
-def _token_bytes(token: Union[str, bytes, None]) -> bytes:
-    """The shared secret: ``token``, else ``$TDIST_STORE_TOKEN``; empty means no authentication."""
-    if token is None:
-        token = os.environ.get(TOKEN_ENV, "")
-    return token.encode() if isinstance(token, str) else bytes(token)
+class StoreConnectTimeoutError(StoreConnectionError, DistStoreTimeoutError):
+    """No connection to the TCPStore server could be made within the timeout."""
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        chunk = sock.recv(n - len(buf))
         if not chunk:
             raise ConnectionError(f"connection closed by peer ({len(buf)} of {n} bytes received)")
         buf += chunk
     return bytes(buf)
 
 
-def _encode_args(args: Sequence[bytes]) -> bytes:
-    parts = [_U32.pack(len(args))]
-    for arg in args:
-        parts += [_U32.pack(len(arg)), arg]
-    return b"".join(parts)
+def _set_io_timeout(sock: socket.socket, limit: float) -> None:
+    """Bound every send and receive on the blocking ``sock`` by ``limit`` seconds in the kernel
+    (a socket with a Python timeout would poll() before every call: two more system calls a request)."""
+    limit = max(limit, 0.001)
+    timeval = struct.pack("@ll", int(limit), int((limit % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
-def _decode_args(payload: bytes) -> List[bytes]:
-    (count,), pos, out = _U32.unpack_from(payload, 0), 4, []
-    for _ in range(count):
-        (size,) = _U32.unpack_from(payload, pos)
-        out.append(payload[pos + 4 : pos + 4 + size])
-        pos += 4 + size
-    return out
+def _ms(seconds: float) -> int:
+    return int(round(seconds * 1000))
 
 
-def _timeout_arg(arg: bytes) -> Optional[float]:
-    if len(arg) != 8:
-        raise _Drop("bad timeout argument")
-    (value,) = _F64.unpack(arg)
-    if math.isnan(value) or value < 0:
-        raise _Drop("bad timeout value")
-    return None if math.isinf(value) else value
+class _ServerLease:
+    """A server shared by the stores that use it (a master, its clones, multi-tenant stores):
+    the last one to close stops it."""
 
+    def __init__(self, server: TCPStoreServer, tenant_port: Optional[int]) -> None:
+        self.server = server
+        self.users = 1
+        self.tenant_port = tenant_port
 
-class TCPStoreServer:
-    """The server side of :class:`TCPStore`: a key-value table served from daemon threads.
-
-    Binds only to ``host`` (resolved; ``""`` or ``"0.0.0.0"`` means every interface,
-    and only when asked); ``port=0`` picks a free port, see :attr:`port`. ``token``
-    (default ``$TDIST_STORE_TOKEN``) makes every client prove it knows the secret.
-    Call :meth:`start`, and :meth:`stop` to close the sockets and end the threads.
-    """
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: Union[str, bytes, None] = None,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
-        self._host = host
-        self._requested_port = int(port)
-        self._token = _token_bytes(token)
-        self._handshake_timeout = handshake_timeout
-        self._data: Dict[bytes, bytes] = {}
-        self._cond = threading.Condition()
-        self._stopping = False
-        self._sock: Optional[socket.socket] = None
-        self._sockname: Tuple = ()
-        self._wake_r: Optional[socket.socket] = None  # a socket pair that wakes the accept loop on stop()
-        self._wake_w: Optional[socket.socket] = None
-        self._conns: Set[socket.socket] = set()
-        self._threads: Set[threading.Thread] = set()
-        self._conns_lock = threading.Lock()
-        self._accept_thread: Optional[threading.Thread] = None
-        self._port = self._requested_port
-
-    @property
-    def host(self) -> str:
-        return self._host
-
-    @property
-    def port(self) -> int:
-        """The port listened on (the chosen one when constructed with ``port=0``)."""
-        return self.sockname[1]
-
-    @property
-    def sockname(self) -> Tuple:
-        """The bound address, as ``socket.getsockname()`` gave it."""
-        if not self._sockname:
-            raise DistStoreError(f"TCPStoreServer {self._host}:{self._port}: not started")
-        return self._sockname
-
-    def __repr__(self) -> str:
-        state = "listening" if self._sock is not None and not self._stopping else "stopped"
-        return f"<TCPStoreServer {self._host}:{self._port} {state}>"
-
-    def start(self) -> "TCPStoreServer":
-        """Bind, listen and start the accept thread; returns ``self`` (a no-op once started: no restarts)."""
-        if self._sock is not None:
-            return self
-        where = f"TCPStoreServer {self._host}:{self._requested_port}"
-        host = None if self._host == "" else self._host
-        try:
-            infos = socket.getaddrinfo(host, self._requested_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        except OSError as exc:
-            raise DistNetworkError(f"{where}: cannot resolve the host: {exc}") from exc
-        error: Optional[OSError] = None
-        for family, socktype, proto, _, addr in infos:
-            sock = socket.socket(family, socktype, proto)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(addr)
-                sock.listen(512)
-            except OSError as exc:
-                sock.close()
-                error = exc
-                continue
-            sock.setblocking(False)
-            self._sock, self._sockname = sock, sock.getsockname()
-            self._port = self._sockname[1]
-            break
-        if self._sock is None:
-            raise DistNetworkError(f"{where}: cannot listen: {error}") from error
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"tdist-store-accept:{self._port}",
-                                               daemon=True)
-        self._accept_thread.start()
+    def acquire(self) -> "_ServerLease":
+        with _TENANTS_LOCK:
+            self.users += 1
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Close the listening socket and every connection; wait up to ``timeout`` s for the threads."""
-        with self._cond:
-            if self._stopping:
-                return
-            self._stopping = True
-            self._cond.notify_all()
-        if self._wake_w is not None:
-            self._wake_w.send(b"x")
-        deadline = time.monotonic() + timeout
-        if self._accept_thread is not None:
-            self._accept_thread.join(timeout)
-        if self._sock is not None:
-            self._sock.close()
-        with self._conns_lock:
-            conns, threads = list(self._conns), list(self._threads)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        for wake in (self._wake_r, self._wake_w):
-            if wake is not None:
-                wake.close()
+    def release(self) -> None:
+        with _TENANTS_LOCK:
+            self.users -= 1
+            last = self.users == 0
+            if last and self.tenant_port is not None and _TENANTS.get(self.tenant_port) is self:
+                del _TENANTS[self.tenant_port]
+        if last:
+            self.server.stop()
 
-    def __enter__(self) -> "TCPStoreServer":
-        return self.start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+_TENANTS: Dict[int, _ServerLease] = {}  # multi_tenant servers of this process, by port (as torch keys them)
+_TENANTS_LOCK = threading.Lock()
 
-    # ----------------------------------------------------------------- threads
-    def _accept_loop(self) -> None:
-        assert self._sock is not None and self._wake_r is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._sock, selectors.EVENT_READ)
-            sel.register(self._wake_r, selectors.EVENT_READ)
-            while not self._stopping:
-                for key, _ in sel.select():
-                    if key.fileobj is self._wake_r:
-                        return
-                    try:
-                        conn, _addr = self._sock.accept()
-                    except (BlockingIOError, InterruptedError):
-                        continue
-                    except OSError as exc:  # e.g. out of file descriptors: back off
-                        log.debug("TCPStoreServer: accept failed: %s", exc)
-                        time.sleep(0.05)
-                        continue
-                    self._spawn(conn)
 
-    def _spawn(self, conn: socket.socket) -> None:
-        thread = threading.Thread(target=self._serve, args=(conn,), name=f"tdist-store-conn:{self._port}", daemon=True)
-        with self._conns_lock:
-            if self._stopping:
-                conn.close()
-                return
-            self._conns.add(conn)
-            # finished threads are pruned here, not by themselves, so that stop() joins every live one
-            self._threads = {t for t in self._threads if t.is_alive()}
-            self._threads.add(thread)
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.setblocking(True)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self._handshake_timeout)
-            self._handshake(conn)
-            conn.settimeout(None)
-            rfile = conn.makefile("rb")
-            while not self._stopping:
-                head = rfile.read(5)
-                if not head:
-                    return  # the client hung up between requests
-                cmd, count = _REPLY.unpack(head)  # same layout: u8 command, u32 argument count
-                low, high = _ARITY.get(cmd, (1, 0))
-                if not low <= count <= high:
-                    raise _Drop(f"command {cmd} with {count} arguments")
-                args: List[bytes] = []
-                total = 0
-                for _ in range(count):
-                    (size,) = _U32.unpack(rfile.read(4))
-                    total += size
-                    if size > MAX_ARG_BYTES or total > MAX_REQUEST_BYTES:
-                        raise _Drop(f"argument of {size} bytes is over the limit")
-                    args.append(rfile.read(size))
-                    if len(args[-1]) < size:
-                        raise _Drop("truncated request")
-                status, payload = self._dispatch(cmd, args)
-                conn.sendall(_REPLY.pack(status, len(payload)) + payload)
-        except (_Drop, OSError, ValueError, struct.error) as exc:
-            log.debug("TCPStoreServer: dropping a connection: %s", exc)
-        finally:
-            with self._conns_lock:
-                self._conns.discard(conn)
-            conn.close()
-
-    def _handshake(self, conn: socket.socket) -> None:
-        if _recv_exact(conn, len(MAGIC) + 1) != MAGIC + bytes([VERSION]):
-            raise _Drop("bad handshake magic or version")
-        nonce = os.urandom(32)
-        conn.sendall(MAGIC + bytes([VERSION, 1 if self._token else 0]) + nonce)
-        if self._token:
-            digest = _recv_exact(conn, 32)
-            if not hmac.compare_digest(digest, hmac.new(self._token, nonce, hashlib.sha256).digest()):
-                raise _Drop("authentication failed")
-            conn.sendall(b"\x01")
-
-    # ----------------------------------------------------------------- commands
-    def _wait_locked(self, keys: Sequence[bytes], timeout: Optional[float]) -> List[bytes]:
-        """Wait (condition held) until ``keys`` are set; return the missing ones on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self._stopping:
-                raise _Drop("server stopping")
-            missing = [k for k in keys if k not in self._data]
-            if not missing:
-                return []
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return missing
-            self._cond.wait(remaining)
-
-    def _dispatch(self, cmd: int, args: List[bytes]) -> Tuple[int, bytes]:
-        data = self._data
-        with self._cond:
-            if cmd == SET:
-                data[args[0]] = args[1]
-                self._cond.notify_all()
-            elif cmd in (GET, WAIT):
-                missing = self._wait_locked(args[1:], _timeout_arg(args[0]))
-                if missing:
-                    return TIMEOUT, _encode_args(missing)
-                return OK, data[args[1]] if cmd == GET else b""
-            elif cmd == ADD:
-                if len(args[1]) > 32:
-                    raise _Drop("bad ADD amount")
-                amount = int(args[1])  # ValueError drops the connection
-                try:
-                    key = args[0].decode(errors="replace")
-                    data[args[0]] = add_to_value("TCPStore", key, data.get(args[0]), amount)
-                except DistStoreError as exc:
-                    return ERROR, str(exc).encode()
-                self._cond.notify_all()
-                return OK, data[args[0]]
-            elif cmd == COMPARE_SET:
-                store, result = compare_set_result(data.get(args[0]), args[1], args[2])
-                if store:
-                    data[args[0]] = result
-                    self._cond.notify_all()
-                return OK, result
-            elif cmd == CHECK:
-                return OK, b"\x01" if all(k in data for k in args) else b"\x00"
-            elif cmd == DELETE:
-                return OK, b"\x01" if data.pop(args[0], None) is not None else b"\x00"
-            elif cmd == NUM_KEYS:
-                return OK, str(sum(1 for k in data if not k.startswith(b"\x00"))).encode()
-            elif cmd == PING:
-                return OK, args[0] if args else b""
-        return OK, b""
+def _agent_store_serves(port: int) -> bool:
+    """torchelastic's agent already serves ``port`` (TORCHELASTIC_USE_AGENT_STORE and MASTER_PORT say so)."""
+    return (os.environ.get(_AGENT_STORE_ENV, "") in ("1", "True", "true")
+            and os.environ.get("MASTER_PORT", "") == str(port))
 
 
 class TCPStore(Store):
     """A client of a :class:`TCPStoreServer`; with ``is_master=True`` it also runs the server.
 
-    Connecting retries with backoff until ``timeout`` (the server may start later),
-    then raises :class:`DistStoreTimeoutError` naming ``host:port``. On the master,
-    ``wait_for_workers`` with a ``world_size`` blocks until ``world_size`` clients
-    (the master's own included) have connected. ``token`` (default
-    ``$TDIST_STORE_TOKEN``) is the shared secret for HMAC authentication; a refused
-    client raises :class:`DistStoreError`. Methods are thread-safe. A lost connection
-    raises :class:`StoreConnectionError` (a DistNetworkError and a DistStoreError); the
-    next call tries once to reconnect. ``close()`` on the master also stops the server.
+    torch's signature and semantics: ``world_size`` (None: unknown; 0 raises ValueError at
+    once) with ``wait_for_workers`` makes every store count in, and the master wait until
+    ``world_size`` have; ``multi_tenant=True`` lets several masters of one process share the
+    server on a port; ``master_listen_fd`` takes over a bound socket; ``use_libuv`` is
+    accepted and reported by :attr:`libuvBackend` (tdist has one server, an event loop like
+    torch's libuv one). With ``TORCHELASTIC_USE_AGENT_STORE`` set and ``MASTER_PORT`` equal to
+    ``port``, a master whose port is taken joins the agent's server as a client (as torch does).
+
+    Connecting retries with backoff until ``timeout`` (the server may start later, its name
+    may not resolve yet), then raises :class:`StoreConnectTimeoutError` (a DistNetworkError
+    and a DistStoreTimeoutError) naming ``host:port``. ``token`` (default ``$TDIST_STORE_TOKEN``)
+    is the shared secret: the server and the client each prove they know it (HMAC over two
+    fresh nonces); a client holding a token refuses a server that does not authenticate.
+    Methods are thread-safe (one request at a time per store: ``clone()`` gives another
+    connection for another thread). A lost connection raises :class:`StoreConnectionError`;
+    the next call tries once to reconnect. ``close()`` (or dropping the last reference) ends
+    the connection; the server stops when its last user closes.
     """
 
     def __init__(self, host_name: str, port: int, world_size: Optional[int] = None, is_master: bool = False,
-                 timeout: Timeout = DEFAULT_STORE_TIMEOUT, wait_for_workers: bool = True,
+                 timeout: Timeout = DEFAULT_STORE_TIMEOUT, wait_for_workers: bool = True, multi_tenant: bool = False,
+                 master_listen_fd: Optional[int] = None, use_libuv: bool = True, *,
                  token: Union[str, bytes, None] = None) -> None:
+        self._sock: Optional[socket.socket] = None
+        self._io_limit = -1.0  # the send/receive timeout set on _sock
+        self._lease: Optional[_ServerLease] = None
+        self._closed = False
+        if world_size is not None and int(world_size) == 0:
+            raise ValueError("TCPStore world size cannot be 0")
         super().__init__(timeout)
         self._host = host_name
         self._port = int(port)
-        self._is_master = is_master
-        self._token = _token_bytes(token)
+        self._world_size = None if world_size is None or int(world_size) < 0 else int(world_size)
+        self._use_libuv = bool(use_libuv)
+        self._token = token_bytes(token)
         self._lock = threading.Lock()
-        self._sock: Optional[socket.socket] = None
-        self._closed = False
-        self._server: Optional[TCPStoreServer] = None
-        start = time.monotonic()
+        deadline = time.monotonic() + self._timeout
         try:
             if is_master:
-                self._server = TCPStoreServer(host_name, self._port, token=self._token).start()
-                self._port = self._server.port
-            self._sock = self._connect(self._timeout, retry=True)
-            self._request(ADD, [_WORKERS_KEY, b"1"])
-            if is_master and wait_for_workers and world_size:
-                self._wait_for_workers(int(world_size), self._timeout - (time.monotonic() - start))
+                self._lease = self._serve(multi_tenant, master_listen_fd, deadline)
+            self._sock = self._connect(deadline)
+            if self._world_size is not None and wait_for_workers:
+                self._count_in(is_master and self._lease is not None, deadline)
         except BaseException:
             self.close()
             raise
 
+    @classmethod
+    def _clone_of(cls, other: "TCPStore") -> "TCPStore":
+        """Another connection to ``other``'s server, sharing its lease on the server."""
+        clone = cls.__new__(cls)
+        Store.__init__(clone, other.timeout)
+        clone._sock, clone._closed, clone._io_limit = None, False, -1.0
+        clone._host, clone._port, clone._world_size = other._host, other._port, other._world_size
+        clone._use_libuv, clone._token, clone._lock = other._use_libuv, other._token, threading.Lock()
+        clone._lease = other._lease.acquire() if other._lease is not None else None
+        try:
+            clone._sock = clone._connect(time.monotonic() + clone._timeout)
+        except BaseException:
+            clone.close()
+            raise
+        return clone
+
+    # --------------------------------------------------------------- properties
     @property
     def host(self) -> str:
         return self._host
@@ -402,20 +176,62 @@ class TCPStore(Store):
         return self._port
 
     @property
+    def libuvBackend(self) -> bool:  # noqa: N802 - torch's name
+        """The ``use_libuv`` flag the store was made with (torch reports which of its two servers
+        runs; tdist's single server is an event loop and serves both settings)."""
+        return self._use_libuv
+
+    @property
     def server(self) -> Optional[TCPStoreServer]:
-        """The server this (master) store runs, else None."""
-        return self._server
+        """The server this store (a master or its clone) keeps running, else None."""
+        return self._lease.server if self._lease is not None else None
 
     def __repr__(self) -> str:
-        return f"<TCPStore {self._where} master={self._is_master}>"
+        role = f"server=TCPStoreServer(port={self._port})" if self._lease is not None else "server=None"
+        return f"TCPStore({self._host}:{self._port}, {role})"
 
     @property
     def _where(self) -> str:
         return f"TCPStore {self._host}:{self._port}"
 
-    # --------------------------------------------------------------- connection
-    def _connect(self, limit: float, retry: bool) -> socket.socket:
-        deadline = time.monotonic() + limit
+    # --------------------------------------------------------------- setup
+    def _serve(self, multi_tenant: bool, listen_fd: Optional[int], deadline: float) -> Optional[_ServerLease]:
+        """Start (or, multi-tenant, share) the server; None when torchelastic's agent serves the port."""
+        if multi_tenant:
+            with _TENANTS_LOCK:
+                lease = _TENANTS.get(self._port)
+                if lease is not None and lease.users > 0:
+                    if not lease.server.token_matches(self._token):
+                        raise DistStoreError(f"{self._where}: multi_tenant: the server on this port runs with "
+                                             "another token")
+                    lease.users += 1
+                    return lease
+        delay = 0.05
+        while True:
+            server = TCPStoreServer(self._host, self._port, token=self._token, listen_fd=listen_fd)
+            try:
+                server.start()
+                break
+            except UnresolvableHostError as exc:  # retry: the name may appear (new machines' DNS entries)
+                if time.monotonic() >= deadline:
+                    raise StoreConnectTimeoutError(
+                        f"{self._where}: the client socket has timed out after {_ms(self._timeout)}ms while trying "
+                        f"to connect to ({self._host}, {self._port}): {exc}") from exc
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 1.0)
+            except DistNetworkError:
+                if listen_fd is None and _agent_store_serves(self._port):
+                    return None  # torchelastic's agent serves this port: join it as a client
+                raise
+        self._port = server.port
+        lease = _ServerLease(server, self._port if multi_tenant else None)
+        if multi_tenant:
+            with _TENANTS_LOCK:
+                _TENANTS[self._port] = lease
+        return lease
+
+    def _connect(self, deadline: float, retry: bool = True) -> socket.socket:
+        """Connect and authenticate, retrying until ``deadline`` (once only without ``retry``)."""
         delay = 0.01
         while True:
             remaining = deadline - time.monotonic()
@@ -426,9 +242,10 @@ class TCPStore(Store):
             else:
                 try:
                     self._handshake(sock, min(HANDSHAKE_TIMEOUT, max(deadline - time.monotonic(), 0.05)))
-                    sock.settimeout(None)
+                    sock.settimeout(None)  # blocking: requests are bounded by SO_RCVTIMEO/SO_SNDTIMEO instead
+                    self._io_limit = -1.0
                     return sock
-                except OSError as exc:  # e.g. the server shut down mid-handshake
+                except OSError as exc:  # e.g. the server shut down, or shed us, mid-handshake
                     sock.close()
                     error = exc
                 except BaseException:
@@ -438,105 +255,140 @@ class TCPStore(Store):
             if not retry:
                 raise StoreConnectionError(f"{self._where}: cannot connect to the server: {error}") from error
             if remaining <= 0:
-                raise DistStoreTimeoutError(
-                    f"{self._where}: timed out after {limit:g} s connecting to the server (last error: {error})"
-                ) from error
+                raise StoreConnectTimeoutError(
+                    f"{self._where}: the client socket has timed out after {_ms(self._timeout)}ms while trying to "
+                    f"connect to ({self._host}, {self._port}) (last error: {error})") from error
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 1.0)
 
     def _handshake(self, sock: socket.socket, limit: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(limit)
-        sock.sendall(MAGIC + bytes([VERSION]))
-        hello = _recv_exact(sock, len(MAGIC) + 2 + 32)
+        nonce = os.urandom(NONCE_BYTES)
+        sock.sendall(MAGIC + bytes([VERSION]) + nonce)
+        hello = _recv_exact(sock, SERVER_HELLO_BYTES)
         if hello[: len(MAGIC) + 1] != MAGIC + bytes([VERSION]):
-            raise DistStoreError(f"{self._where}: the server is not a tdist store of protocol version {VERSION}")
-        if not hello[len(MAGIC) + 1]:
+            raise DistStoreError(f"{self._where}: the server is not a tdist store of protocol version {VERSION} "
+                                 "(another program, or torch's TCPStore, listens there)")
+        authenticates, server_nonce = hello[len(MAGIC) + 1], hello[len(MAGIC) + 2 :]
+        if not authenticates:
+            if self._token:
+                raise DistStoreError(
+                    f"{self._where}: refusing the server: this store holds a token but the server does not "
+                    "authenticate (token downgrade); a process without the token may be squatting the port")
             return
         if not self._token:
             raise DistStoreError(f"{self._where}: authentication failed: the server requires a token "
                                  f"(pass token= or set {TOKEN_ENV})")
-        sock.sendall(hmac.new(self._token, hello[-32:], hashlib.sha256).digest())
-        try:
-            ack = sock.recv(1)  # the server hangs up on a wrong digest
-        except OSError:
-            ack = b""
-        if ack != b"\x01":
+        proof = _recv_exact(sock, PROOF_BYTES)
+        if not hmac.compare_digest(proof, server_proof(self._token, nonce, server_nonce)):
+            raise DistStoreError(f"{self._where}: authentication failed: the server could not prove it knows "
+                                 "this store's token (the tokens differ, or an impostor squats the port); refusing it")
+        sock.sendall(client_proof(self._token, nonce, server_nonce))
+        ack = sock.recv(1)
+        if not ack:  # shed under load or past the deadline, not refused: the caller retries
+            raise ConnectionError("the server closed the connection during the handshake")
+        if ack != ACK:
             raise DistStoreError(f"{self._where}: authentication failed (wrong token)")
 
+    def _count_in(self, master: bool, deadline: float) -> None:
+        """torch's worker count: every store with a known world size adds one; the master waits
+        for all (one BARRIER request: add, then wait for the count)."""
+        if not master:
+            self._request(ADD, [_INIT_KEY, b"1"])
+            return
+        limit = max(0.0, deadline - time.monotonic())
+        status, payload = self._request(BARRIER, [F64.pack(limit), _INIT_KEY, str(self._world_size).encode()], limit)
+        if status == TIMEOUT:
+            arrived = int(decode_list(payload)[1])
+            raise DistStoreTimeoutError(
+                f"{self._where}: Timed out after {int(round(self._timeout))} seconds waiting for clients. "
+                f"{arrived}/{self._world_size} clients joined. (timeout {self._timeout:g} s: every rank must create "
+                "its TCPStore within it)")
+
+    # --------------------------------------------------------------- requests
     def _request(self, cmd: int, args: Sequence[bytes], wait: Optional[float] = None) -> Tuple[int, bytes]:
         """Send one request and read its reply; ``wait`` is the server-side timeout it may block for."""
-        if any(len(arg) > MAX_ARG_BYTES for arg in args):
+        frame = encode_request(cmd, args)
+        if len(frame) > MAX_ARG_BYTES and any(len(arg) > MAX_ARG_BYTES for arg in args):
             raise DistStoreError(
-                f"{self._where}: {_NAMES[cmd]}: an argument exceeds the {MAX_ARG_BYTES >> 20} MiB limit")
-        frame = bytes([cmd]) + _encode_args(args)
+                f"{self._where}: {NAMES[cmd]}: an argument exceeds the {MAX_ARG_BYTES >> 20} MiB limit")
         limit = (self._timeout if wait is None else wait) + _SOCKET_MARGIN
         with self._lock:
             if self._closed:
                 raise DistStoreError(f"{self._where}: the store is closed")
             if self._sock is None:
-                self._sock = self._connect(min(self._timeout, HANDSHAKE_TIMEOUT), retry=False)
+                self._sock = self._connect(time.monotonic() + min(self._timeout, HANDSHAKE_TIMEOUT), retry=False)
             sock = self._sock
             try:
-                sock.settimeout(None if math.isinf(limit) else limit)
+                if limit != self._io_limit:
+                    _set_io_timeout(sock, limit)
+                    self._io_limit = limit
                 sock.sendall(frame)
-                status, size = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
-                if size > MAX_REQUEST_BYTES:
-                    raise ConnectionError(f"reply of {size} bytes is over the limit")
-                payload = _recv_exact(sock, size)
-            except socket.timeout as exc:
+                status, payload = self._read_reply(sock)
+            except (socket.timeout, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO/SO_SNDTIMEO expired
                 self._drop_connection()
-                raise DistStoreTimeoutError(f"{self._where}: no reply to {_NAMES[cmd]} within {limit:g} s; "
+                raise DistStoreTimeoutError(f"{self._where}: {NAMES[cmd]}: no reply within {limit:g} s (timeout); "
                                             "connection dropped") from exc
             except OSError as exc:
                 self._drop_connection()
                 raise StoreConnectionError(f"{self._where}: connection to the server lost during "
-                                           f"{_NAMES[cmd]}: {exc}") from exc
+                                           f"{NAMES[cmd]}: {exc}") from exc
         if status == ERROR:
             raise DistStoreError(f"{self._where}: {payload.decode('utf-8', 'replace')}")
         return status, payload
+
+    @staticmethod
+    def _read_reply(sock: socket.socket) -> Tuple[int, bytes]:
+        data = sock.recv(16384)  # most replies are small; a large one is read to its end below
+        while len(data) < HEAD.size:
+            if not data:
+                raise ConnectionError("connection closed by the server")
+            more = sock.recv(16384)
+            if not more:
+                raise ConnectionError("connection closed by the server")
+            data += more
+        status, size = HEAD.unpack_from(data)
+        if size > MAX_REQUEST_BYTES:
+            raise ConnectionError(f"reply of {size} bytes is over the limit")
+        end = HEAD.size + size
+        if len(data) < end:
+            data = data + _recv_exact(sock, end - len(data))
+        elif len(data) > end:
+            raise ConnectionError("the server sent more than one reply")
+        return status, data[HEAD.size:]
 
     def _drop_connection(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
 
-    def _wait_for_workers(self, world_size: int, limit: float) -> None:
+    def _blocking(self, cmd: int, keys: Sequence[str], timeout: Timeout, prefix: Sequence[bytes] = ()) -> List[bytes]:
+        """A blocking request on ``keys`` (in batches of what one request takes), sharing one deadline;
+        returns each reply's payload. Raises the wait-timeout error naming the missing keys."""
+        limit = self._limit(timeout)
         deadline = time.monotonic() + limit
-        delay = 0.005
-        while True:
-            arrived = int(self._request(ADD, [_WORKERS_KEY, b"0"])[1])
-            if arrived >= world_size:
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DistStoreTimeoutError(f"{self._where}: timed out after {self._timeout:g} s waiting for "
-                                            f"workers: {arrived} of {world_size} arrived")
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, 0.1)
-
-    def _blocking(self, cmd: int, keys: Sequence[str], timeout: Timeout) -> bytes:
-        limit = max(0.0, self._limit(timeout))
-        deadline = time.monotonic() + limit
-        payload = b""
         encoded = [k.encode() for k in keys]
-        for i in range(0, max(len(encoded), 1), MAX_ARGS - 1):  # WAIT on many keys: in batches
-            remaining = limit if math.isinf(limit) else max(0.0, deadline - time.monotonic())
-            status, payload = self._request(cmd, [_F64.pack(remaining)] + encoded[i : i + MAX_ARGS - 1], remaining)
+        payloads = []
+        step = MAX_ARGS - 1 - len(prefix)
+        for i in range(0, max(len(encoded), 1), step):
+            remaining = max(0.0, deadline - time.monotonic())
+            status, payload = self._request(cmd, [*prefix, F64.pack(remaining), *encoded[i : i + step]], remaining)
             if status == TIMEOUT:
-                missing = [k.decode("utf-8", "replace") for k in _decode_args(payload)]
-                raise DistStoreTimeoutError(f"{self._where}: timed out after {limit:g} s waiting for keys {missing}")
-        return payload
+                missing = [k.decode("utf-8", "replace") for k in decode_list(payload)]
+                raise wait_timeout_error(self._where, limit, missing)
+            payloads.append(payload)
+        return payloads
 
     # --------------------------------------------------------------- Store API
     def set(self, key: str, value: Value) -> None:
         self._request(SET, [key.encode(), as_bytes(value)])
 
     def get(self, key: str, timeout: Timeout = None) -> bytes:
-        return self._blocking(GET, [key], timeout)
+        return self._blocking(GET, [key], timeout)[0]
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._request(ADD, [key.encode(), str(int(amount)).encode()])[1])
+        return int(self._request(ADD, (key.encode(), b"%d" % int(amount)))[1])
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
         return self._request(COMPARE_SET, [key.encode(), as_bytes(expected), as_bytes(desired)])[1]
@@ -556,12 +408,66 @@ class TCPStore(Store):
     def num_keys(self) -> int:
         return int(self._request(NUM_KEYS, [])[1])
 
+    # --------------------------------------------------------------- extended API
+    def has_extended_api(self) -> bool:
+        return True
+
+    def append(self, key: str, value: Value) -> None:
+        self._request(APPEND, [key.encode(), as_bytes(value)])
+
+    def multi_get(self, keys: Sequence[str]) -> List[bytes]:
+        if not keys:
+            return []
+        return [v for payload in self._blocking(MULTI_GET, list(keys), None) for v in decode_list(payload)]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"{self._where}: multi_set: {len(keys)} keys but {len(values)} values")
+        args = [b for k, v in zip(keys, values) for b in (k.encode(), as_bytes(v))]
+        for i in range(0, len(args), MAX_ARGS):  # one atomic request up to 32768 keys
+            self._request(MULTI_SET, args[i : i + MAX_ARGS])
+
+    def list_keys(self) -> List[str]:
+        return [k.decode("utf-8", "replace") for k in decode_list(self._request(LIST_KEYS, [])[1])]
+
+    def queue_push(self, key: str, value: Value) -> None:
+        self._request(QUEUE_PUSH, [key.encode(), as_bytes(value)])
+
+    def queue_pop(self, key: str, block: bool = True, timeout: Timeout = None) -> bytes:
+        if not block:
+            status, payload = self._request(QUEUE_POP, [b"\x00", F64.pack(0.0), key.encode()])
+            if status == EMPTY:
+                raise QueueEmptyError(f"{self._where}: queue_pop: queue {key!r} is empty")
+            return payload
+        return self._blocking(QUEUE_POP, [key], timeout, prefix=[b"\x01"])[0]
+
+    def queue_len(self, key: str) -> int:
+        return int(self._request(QUEUE_LEN, [key.encode()])[1])
+
+    def barrier(self, key: str, world_size: int, timeout: Timeout = None) -> None:
+        limit = self._limit(timeout)
+        status, payload = self._request(BARRIER, [F64.pack(limit), key.encode(), str(int(world_size)).encode()],
+                                        limit)
+        if status == TIMEOUT:
+            arrived = decode_list(payload)[1].decode()
+            raise DistStoreTimeoutError(f"{self._where}: barrier timeout after {_ms(limit)}ms, key: {key} "
+                                        f"({arrived} of {world_size} arrived)")
+
+    def clone(self) -> "TCPStore":
+        """Another connection to the same server (for another thread); it keeps the server alive too."""
+        with self._lock:
+            if self._closed:
+                raise DistStoreError(f"{self._where}: the store is closed")
+        return TCPStore._clone_of(self)
+
     def ping(self, payload: bytes = b"") -> bytes:
         """Round-trip ``payload`` through the server (a liveness check)."""
         return self._request(PING, [payload] if payload else [])[1]
 
     def close(self) -> None:
-        """Close the connection; on the master, also stop the server."""
+        """Close the connection; the server stops when its last user (master, clone) closes."""
+        if self._closed:
+            return
         self._closed = True
         sock = self._sock
         if sock is not None:  # wake a request blocked in another thread without taking its lock
@@ -569,7 +475,19 @@ class TCPStore(Store):
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        with self._lock:
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            with lock:
+                self._drop_connection()
+        else:
             self._drop_connection()
-        if self._server is not None:
-            self._server.stop()
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing to report to
+            pass
+

@@ -1,24 +1,27 @@
 """Stores both ways: a ``torch.distributed.Store`` used as a tdist :class:`Store`
 (:class:`TorchStore`), and a tdist store handed to torch (:func:`as_torch_store`).
 
-Neither adapter copies data or opens a connection: every call is forwarded to the
-wrapped store. Wrapping an adapter again gives back the store it wraps, so a store
-that travels tdist -> torch -> tdist is the original object.
+Neither adapter copies data or opens a connection: every call, the extended API included
+(``append``, ``multi_get``, ``multi_set``, queues, ``list_keys``, ``barrier``, ``clone``), is
+forwarded to the wrapped store. Wrapping an adapter again gives back the store it wraps, so a
+store that travels tdist -> torch -> tdist is the original object.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, TypeVar
 
 from .._errors import DistError, DistStoreError, DistStoreTimeoutError
 from .._work import Timeout
-from .base import Store, Value, as_bytes
+from .base import QueueEmptyError, Store, Value, as_bytes
 
 if TYPE_CHECKING:
     import torch.distributed
 
 __all__ = ["TorchStore", "as_torch_store", "from_torch_store"]
+
+T = TypeVar("T")
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -30,7 +33,8 @@ class TorchStore(Store):
     TCPStore torchrun's agent serves, or the store torch passes a backend).
 
     Errors come back as tdist's: a timeout as :class:`DistStoreTimeoutError` naming the
-    keys, anything else the torch store raises as :class:`DistStoreError`.
+    keys, an empty queue as :class:`QueueEmptyError`, anything else the torch store raises
+    as :class:`DistStoreError`; NotImplementedError (a torch store without queues) passes as is.
     """
 
     def __init__(self, store: "torch.distributed.Store", timeout: Timeout = None) -> None:
@@ -44,6 +48,19 @@ class TorchStore(Store):
     def __repr__(self) -> str:
         return f"<TorchStore over {type(self.torch_store).__name__}>"
 
+    def _call(self, what: str, keys: Sequence[str], call: Callable[[], T], limit: Optional[float] = None) -> T:
+        """Run ``call`` and translate torch's errors (RuntimeError subclasses) into tdist's."""
+        import torch.distributed as torch_dist
+
+        try:
+            return call()
+        except NotImplementedError:
+            raise
+        except torch_dist.QueueEmptyError as exc:
+            raise QueueEmptyError(f"TorchStore: {what}: queue {keys[0]!r} is empty ({exc})") from None
+        except RuntimeError as exc:
+            raise self._fail(what, keys, exc, limit) from None
+
     def _fail(self, what: str, keys: Sequence[str], exc: BaseException, limit: Optional[float] = None) -> DistError:
         if _is_timeout(exc):
             after = f" after {limit:g} s" if limit is not None else ""
@@ -55,55 +72,71 @@ class TorchStore(Store):
         self.torch_store.set_timeout(self.timeout)
 
     def set(self, key: str, value: Value) -> None:
-        try:
-            self.torch_store.set(key, as_bytes(value))
-        except RuntimeError as exc:
-            raise self._fail("set", [key], exc) from None
+        self._call("set", [key], lambda: self.torch_store.set(key, as_bytes(value)))
 
     def get(self, key: str, timeout: Timeout = None) -> bytes:
         if timeout is not None:
             self.wait([key], timeout)
-        try:
-            return bytes(self.torch_store.get(key))
-        except RuntimeError as exc:
-            raise self._fail("get", [key], exc, self._limit(None)) from None
+        return bytes(self._call("get", [key], lambda: self.torch_store.get(key), self._limit(None)))
 
     def add(self, key: str, amount: int) -> int:
-        try:
-            return int(self.torch_store.add(key, int(amount)))
-        except RuntimeError as exc:
-            raise self._fail("add", [key], exc) from None
+        return int(self._call("add", [key], lambda: self.torch_store.add(key, int(amount))))
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
-        try:
-            return bytes(self.torch_store.compare_set(key, as_bytes(expected), as_bytes(desired)))
-        except RuntimeError as exc:
-            raise self._fail("compare_set", [key], exc) from None
+        return bytes(self._call("compare_set", [key],
+                                lambda: self.torch_store.compare_set(key, as_bytes(expected), as_bytes(desired))))
 
     def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:
         limit = self._limit(timeout)
-        try:
-            self.torch_store.wait(list(keys), timedelta(seconds=limit))
-        except RuntimeError as exc:
-            raise self._fail("wait", keys, exc, limit) from None
+        self._call("wait", keys, lambda: self.torch_store.wait(list(keys), timedelta(seconds=limit)), limit)
 
     def check(self, keys: Sequence[str]) -> bool:
-        try:
-            return bool(self.torch_store.check(list(keys)))
-        except RuntimeError as exc:
-            raise self._fail("check", keys, exc) from None
+        return bool(self._call("check", keys, lambda: self.torch_store.check(list(keys))))
 
     def delete_key(self, key: str) -> bool:
-        try:
-            return bool(self.torch_store.delete_key(key))
-        except RuntimeError as exc:
-            raise self._fail("delete_key", [key], exc) from None
+        return bool(self._call("delete_key", [key], lambda: self.torch_store.delete_key(key)))
 
     def num_keys(self) -> int:
-        try:
-            return int(self.torch_store.num_keys())
-        except RuntimeError as exc:
-            raise self._fail("num_keys", [], exc) from None
+        return int(self._call("num_keys", [], lambda: self.torch_store.num_keys()))
+
+    # ------------------------------------------------------------- extended API
+    def has_extended_api(self) -> bool:
+        return bool(self.torch_store.has_extended_api())
+
+    def append(self, key: str, value: Value) -> None:
+        self._call("append", [key], lambda: self.torch_store.append(key, as_bytes(value)))
+
+    def multi_get(self, keys: Sequence[str]) -> List[bytes]:
+        values = self._call("multi_get", keys, lambda: self.torch_store.multi_get(list(keys)), self._limit(None))
+        return [bytes(v) for v in values]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"TorchStore.multi_set: {len(keys)} keys but {len(values)} values")
+        data = [as_bytes(v) for v in values]
+        self._call("multi_set", keys, lambda: self.torch_store.multi_set(list(keys), data))
+
+    def list_keys(self) -> List[str]:
+        return list(self._call("list_keys", [], lambda: self.torch_store.list_keys()))
+
+    def barrier(self, key: str, world_size: int, timeout: Timeout = None) -> None:
+        limit = self._limit(timeout)
+        self._call("barrier", [key], lambda: self.torch_store.barrier(key, world_size, timedelta(seconds=limit)), limit)
+
+    def clone(self) -> "TorchStore":
+        return TorchStore(self._call("clone", [], lambda: self.torch_store.clone()), self.timeout)
+
+    def queue_push(self, key: str, value: Value) -> None:
+        self._call("queue_push", [key], lambda: self.torch_store.queue_push(key, as_bytes(value)))
+
+    def queue_pop(self, key: str, block: bool = True, timeout: Timeout = None) -> bytes:
+        if block and timeout is not None:
+            self.wait([key], timeout)  # torch's queue_pop waits the store's timeout: honour a shorter one first
+        return bytes(self._call("queue_pop", [key], lambda: self.torch_store.queue_pop(key, block),
+                                self._limit(None)))
+
+    def queue_len(self, key: str) -> int:
+        return int(self._call("queue_len", [key], lambda: self.torch_store.queue_len(key)))
 
 
 def _torch_store_class() -> Any:
@@ -116,7 +149,8 @@ def _torch_store_class() -> Any:
 
     class TdistBackedStore(torch_dist.Store):
         """A ``torch.distributed.Store`` whose every call goes to a tdist store; tdist's
-        timeout errors reach torch as ``torch.distributed.DistStoreError`` ("... timeout ...")."""
+        timeout errors reach torch as ``torch.distributed.DistStoreError`` ("... timeout ..."),
+        an empty queue as ``torch.distributed.QueueEmptyError``."""
 
         def __init__(self, store: Store) -> None:
             super().__init__()
@@ -125,6 +159,8 @@ def _torch_store_class() -> Any:
         def _call(self, method: str, *args: Any) -> Any:
             try:
                 return getattr(self.tdist_store, method)(*args)
+            except QueueEmptyError as exc:
+                raise torch_dist.QueueEmptyError(str(exc)) from exc
             except DistStoreError as exc:
                 text = str(exc)
                 if isinstance(exc, DistStoreTimeoutError) and "timeout" not in text.lower():
@@ -158,6 +194,36 @@ def _torch_store_class() -> Any:
         def set_timeout(self, timeout: timedelta) -> None:
             self.tdist_store.set_timeout(timeout)
 
+        def has_extended_api(self) -> bool:
+            return self.tdist_store.has_extended_api()
+
+        def append(self, key: str, value: Any) -> None:
+            self._call("append", key, value)
+
+        def multi_get(self, keys: Sequence[str]) -> List[bytes]:
+            return self._call("multi_get", list(keys))
+
+        def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
+            self._call("multi_set", list(keys), list(values))
+
+        def list_keys(self) -> List[str]:
+            return self._call("list_keys")
+
+        def barrier(self, key: str, world_size: int, timeout: Optional[timedelta] = None) -> None:
+            self._call("barrier", key, world_size, timeout)
+
+        def clone(self) -> "TdistBackedStore":
+            return TdistBackedStore(self._call("clone"))
+
+        def queue_push(self, key: str, value: Any) -> None:
+            self._call("queue_push", key, value)
+
+        def queue_pop(self, key: str, block: bool = True) -> bytes:
+            return self._call("queue_pop", key, block)
+
+        def queue_len(self, key: str) -> int:
+            return self._call("queue_len", key)
+
     _TdistBackedStore = TdistBackedStore
     return TdistBackedStore
 
@@ -183,4 +249,3 @@ def from_torch_store(store: Any, timeout: Timeout = None) -> Store:
     if isinstance(inner, Store):
         return inner
     return TorchStore(store, timeout)
-

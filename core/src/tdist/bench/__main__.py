@@ -6,6 +6,7 @@ Examples::
     python -m tdist.bench --ops all_reduce --max-size 16M --world-sizes 2
     python -m tdist.bench --sizes 4,256K,4M --csv out.csv --json out.json --plot busbw.png
     python -m tdist.bench --core-overhead
+    python -m tdist.bench --store                           # TCPStore: tdist against torch's
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--core-overhead", action="store_true",
                    help="measure the core's own cost per call at world size 1 instead")
     p.add_argument("--iters", type=int, default=20000, help="calls per sample for --core-overhead")
+    p.add_argument("--store", action="store_true",
+                   help="measure the TCPStore instead, against torch's: multi_get against single gets, "
+                        "and --store-clients clients doing --store-ops adds each")
+    p.add_argument("--store-clients", type=int, default=16, help="client processes for --store (default 16)")
+    p.add_argument("--store-ops", type=int, default=1000, help="adds per client for --store (default 1000)")
+    p.add_argument("--store-keys", type=int, default=100, help="keys per multi_get for --store (default 100)")
     return p
 
 
@@ -94,6 +101,14 @@ def _options(items: list[str]) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.store:
+        from .store import format_store_bench, store_bench
+
+        result = store_bench(args.store_clients, args.store_ops, args.store_keys, args.repeats)
+        print(format_store_bench(result))
+        if args.json:
+            write_json(args.json, [result], {"mode": "store"})
+        return 0
     if args.core_overhead:
         from .overhead import core_overhead, format_overhead
 
