@@ -333,9 +333,11 @@ def test_segment_of_another_group_or_key_is_refused():
         other = segment.attach(where, total, 2, 65536, nonce, key)
         assert other is not None
         other.close()
+        pid, _fd, scope, _name = where.split(":")
         with open(__file__, "rb") as f:  # a real descriptor, but not a segment
-            assert segment.attach(f"{os.getpid()}:{f.fileno()}:{name}", total, 2, 65536, nonce, key) is None
-        for bad in ("", "x", f"{os.getpid()}:{fd}:../../etc/passwd", f"1:{fd}:{name}", f"{os.getpid()}:99999:{name}"):
+            assert segment.attach(f"{pid}:{f.fileno()}:{scope}:{name}", total, 2, 65536, nonce, key) is None
+        for bad in ("", "x", f"{pid}:{fd}:{scope}:../../etc/passwd", f"1:{fd}:{scope}:{name}",
+                    f"{pid}:99999:{scope}:{name}", f"{pid}:{fd}:{'0' * 16}:{name}"):  # last: another host/namespace
             assert segment.attach(bad, total, 2, 65536, nonce, key) is None, bad
     finally:
         mm.close()

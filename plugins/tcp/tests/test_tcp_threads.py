@@ -16,9 +16,9 @@ import _tcp_jobs as J
 import pytest
 import torch
 from _tcp_harness import DictStore, make_backend, run_threads
-from tdist_tcp.auth import HELLO
 from tdist._errors import DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction
+from tdist_tcp.auth import HELLO
 
 pytestmark = pytest.mark.timeout(90)
 SUM = Reduction(ReduceOp.SUM)

@@ -4,7 +4,10 @@ A segment is an anonymous memory file (``memfd_create(2)``), never a name in
 ``/dev/shm``: rank 0 creates it and keeps its descriptor open while the group is
 being set up; the other ranks open it through ``/proc/<rank 0's pid>/fd/<fd>`` (the
 kernel lets a process do so only if it could trace rank 0: same user, same pid
-namespace) and map it. Once every rank has answered, rank 0 closes its descriptor
+namespace) and map it. Ranks share a segment only within one *shared-memory scope*
+(same boot of the same kernel and same IPC namespace: where POSIX shared memory would
+be shared too; containers or simulated hosts with their own IPC namespace keep to
+their sockets). Once every rank has answered, rank 0 closes its descriptor
 and only the mappings hold the memory, so it is freed when the last rank unmaps it
 (:meth:`Segment.close`, at ``destroy_process_group``) or dies, however it dies:
 there is nothing to unlink and nothing to reclaim after a crash.
@@ -16,6 +19,7 @@ by a rank that knows the group's key (see :mod:`tdist_tcp.auth`).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import mmap
 import os
@@ -63,20 +67,34 @@ def create(total: int, size: int, slot: int, nonce: bytes, key: bytes) -> tuple[
     return name, fd, mm
 
 
+def _scope() -> str:
+    """This process's shared-memory scope: a digest of the kernel's boot id and the IPC namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        ipc = os.readlink("/proc/self/ns/ipc")
+    except OSError:
+        ipc = "?"
+    return hashlib.sha256(f"{boot}/{ipc}".encode()).hexdigest()[:16]
+
+
 def locator(name: str, fd: int) -> str:
-    """What rank 0 publishes for the others to find the segment: ``pid:fd:name``."""
-    return f"{os.getpid()}:{fd}:{name}"
+    """What rank 0 publishes for the others to find the segment: ``pid:fd:scope:name``."""
+    return f"{os.getpid()}:{fd}:{_scope()}:{name}"
 
 
 def attach(where: str, total: int, size: int, slot: int, nonce: bytes, key: bytes) -> Optional[mmap.mmap]:
     """Map the segment ``where`` (a :func:`locator`) if it is this group's, on this host,
     of the expected size and proved with ``key``; None otherwise."""
     try:
-        pid_text, fd_text, name = where.split(":", 2)
+        pid_text, fd_text, scope, name = where.split(":", 3)
         path = f"/proc/{int(pid_text)}/fd/{int(fd_text)}"
     except ValueError:
         return None
-    if not _NAME.fullmatch(name):
+    if not _NAME.fullmatch(name) or scope != _scope():
         return None
     try:  # another process, or another host's pid: the descriptor is not this memory file
         if os.readlink(path) != f"/memfd:{name} (deleted)":

@@ -342,7 +342,8 @@ class Transport:
         raise FrameTimeout(peer.rank, pr.op, pr.nbytes, pr.tag)
 
     # --------------------------------------------------------------- timeouts
-    def collective_timeout(self, c: "Coll", waited_for: int, detail: str = "", via: str = "") -> DistBackendTimeoutError:
+    def collective_timeout(self, c: "Coll", waited_for: int, detail: str = "",
+                           via: str = "") -> DistBackendTimeoutError:
         """The error of collective ``c`` that timed out on ``waited_for`` (``detail``: how),
         naming the ranks that did not arrive at it (asked with :meth:`probe`)."""
         missing, silent = self.probe(c.seq, min(2.0, max(0.5, self.timeout / 2)))
