@@ -19,6 +19,10 @@ Fixtures:
 ``tdist_scenario``   a :class:`~tdist.testing.scenarios.ScenarioContext` per backend
                      (failure scenarios spawn their own one-off worlds)
 ``tdist_body_timeout``  the ``--tdist-body-timeout`` value
+``tdist_cluster``    a started simulated cluster (:class:`tdist.testing.cluster.Cluster`),
+                     one per test: 2 hosts, or the arguments of
+                     ``@pytest.mark.tdist_cluster(hosts=3, rate="1gbit", delay=0.001)``;
+                     closed after the test, skipped where namespaces are unavailable
 
 Third party, three lines (``test_mybackend.py``)::
 
@@ -69,6 +73,8 @@ def pytest_configure(config: Any) -> None:
         os.environ[DIST_MODULE_ENV] = module
     config.addinivalue_line("markers", "tdist_world: the test runs a body in every rank of a tdist World")
     config.addinivalue_line("markers", "slow: multi-process scenarios that take several seconds")
+    config.addinivalue_line("markers", "tdist_cluster(hosts=2, rate=None, delay=0.0, delay_line=None): "
+                            "arguments of the tdist_cluster fixture's Cluster")
     if not config.pluginmanager.hasplugin("timeout"):
         config.addinivalue_line("markers", "timeout(seconds): per-test time limit (needs pytest-timeout)")
     config._tdist_pool = WorldPool(config)  # type: ignore[attr-defined]
@@ -229,6 +235,22 @@ def tdist_scenario(request: Any) -> ScenarioContext:
 @pytest.fixture(scope="session")
 def tdist_body_timeout(request: Any) -> float:
     return float(request.config.getoption("tdist_body_timeout", 60.0))
+
+
+@pytest.fixture
+def tdist_cluster(request: Any) -> Any:
+    """A started :class:`~tdist.testing.cluster.Cluster` (2 hosts unless
+    ``@pytest.mark.tdist_cluster(...)`` gives its arguments), closed after the test,
+    also when it fails; the test is skipped, saying why, where this machine cannot
+    make namespaces."""
+    from .cluster import Cluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"simulated cluster unavailable: {reason}")
+    marker = request.node.get_closest_marker("tdist_cluster")
+    with Cluster(*(marker.args if marker else ()), **(marker.kwargs if marker else {})) as cluster:
+        yield cluster
 
 
 def pytest_report_header(config: Any) -> Optional[str]:

@@ -1,0 +1,103 @@
+"""A job for tests/test_multihost.py, run on the hosts of a simulated cluster
+(``tdist.testing.cluster``) the way a user runs a torch.distributed program.
+
+    python multihost_job.py --backend tcp [--init-method URL ...] [--size BYTES] [--steps K]
+
+For each ``--init-method`` in turn (default: one ``init_process_group`` without one,
+i.e. env://), initialises tdist, checks, then destroys the group. The checks, on every rank:
+
+- ``all_reduce`` (sum) of ``--size`` bytes of float32, each rank contributing rank + 1,
+  while this host's ``eth0`` counters are read before and after (the bytes every host
+  must send and receive for it: at least half the tensor);
+- ``all_gather`` of every rank's (rank, host name as a number tensor): which host each
+  rank runs on, so the test can check that the ranks span the hosts;
+- for the tcp backend, that the group does not use shared memory.
+
+Prints one line ``RESULT {json}`` per init method. With ``--steps K``, it then runs K more
+all_reduces, printing ``step i`` after each (the test kills a host in the middle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+from datetime import timedelta
+
+
+def link_bytes(ifname: str = "eth0") -> tuple[int, int]:
+    """(received, sent) bytes of ``ifname`` in this process's network namespace."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == ifname:
+                fields = counters.split()
+                return int(fields[0]), int(fields[8])
+    return 0, 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--init-method", action="append", default=None)
+    parser.add_argument("--size", type=int, default=4 << 20)
+    parser.add_argument("--steps", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    args = parser.parse_args()
+
+    import torch
+
+    import tdist as dist
+
+    for i, init_method in enumerate(args.init_method or [None]):
+        if i:
+            dist.destroy_process_group()
+        dist.init_process_group(args.backend, init_method=init_method, timeout=timedelta(seconds=args.timeout))
+        check(dist, args.backend, init_method, args.size)
+
+    small = torch.ones(16)
+    for step in range(args.steps):
+        dist.all_reduce(small)
+        print(f"step {step}", flush=True)
+        time.sleep(0.1)
+    dist.destroy_process_group()
+    return 0
+
+
+def check(dist, backend: str, init_method, nbytes: int) -> None:
+    """The all_reduce, all_gather and transport checks of the module's description."""
+    import torch
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    host = socket.gethostname()
+
+    numel = nbytes // 4
+    tensor = torch.full((numel,), float(rank + 1))
+    dist.barrier()
+    before = link_bytes()
+    dist.all_reduce(tensor)
+    after = link_bytes()
+    expected = size * (size + 1) / 2
+    reduced_ok = bool(torch.all(tensor == expected))
+
+    name = torch.zeros(64, dtype=torch.int64)
+    raw = host.encode()[:64]
+    name[: len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+    names = [torch.zeros(64, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(names, name)
+    hosts = [bytes(int(c) for c in t.tolist() if c).decode() for t in names]
+
+    uses_shm = None
+    if backend == "tcp":
+        uses_shm = bool(dist.group.WORLD.backends["cpu"].uses_shm)
+    print("RESULT " + json.dumps({
+        "init_method": init_method, "rank": rank, "world_size": size, "host": host, "hosts": hosts,
+        "reduced_ok": reduced_ok, "rx": after[0] - before[0], "tx": after[1] - before[1], "uses_shm": uses_shm,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
