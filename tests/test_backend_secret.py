@@ -48,3 +48,19 @@ def test_stores_without_a_token_fall_back_to_the_environment(monkeypatch, tmp_pa
     assert backend_secret(store, "tcp") == b""
     monkeypatch.setenv("TDIST_STORE_TOKEN", "env-token")
     assert backend_secret(tdist.PrefixStore("pg0", store), "tcp") == _derived(b"env-token", "tcp")
+
+
+def test_secret_is_passed_only_to_factories_that_take_it(no_env_token, tmp_path):
+    from tdist._secret import secret_argument
+
+    store = tdist.FileStore(str(tmp_path / "f"), -1)
+
+    def old(*, store, rank, world_size, timeout, options, global_ranks):  # before the argument existed
+        return None
+
+    def explicit(*, store, rank, secret=b"", **kwargs):
+        return None
+
+    assert secret_argument(old, store, "x") == {}
+    assert secret_argument(explicit, store, "x") == {"secret": b""}
+    assert secret_argument(lambda **kw: None, store, "x") == {"secret": b""}

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ._store.tcp_store import TOKEN_ENV
 
-__all__ = ["backend_secret"]
+__all__ = ["backend_secret", "secret_argument"]
 
 _LABEL = b"tdist backend secret v1\0"
 
@@ -44,3 +45,17 @@ def backend_secret(store: Any, backend: str) -> bytes:
     if not token:
         return b""
     return hmac.new(token, _LABEL + backend.encode(), hashlib.sha256).digest()
+
+
+def _accepts_secret(factory: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "secret" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def secret_argument(factory: Callable[..., Any], store: Any, backend: str) -> dict[str, bytes]:
+    """``{"secret": ...}`` for a factory that takes it (a ``secret`` parameter or ``**kwargs``),
+    else ``{}`` (factories written before the argument existed keep working)."""
+    return {"secret": backend_secret(store, backend)} if _accepts_secret(factory) else {}

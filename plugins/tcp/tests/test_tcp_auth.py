@@ -202,7 +202,7 @@ def test_fuzzed_handshakes_leave_the_listener_serving_and_leak_nothing():
         time.sleep(0.05)
     assert _open_fds() - fds == set(), "descriptors left open"
     assert {t.name for t in set(threading.enumerate()) - threads} == set()
-    assert J.shm_mapped() == set() and J.shm_fds() == set()
+    assert J.shm_mapped() == set() and J.shm_fds() == set() and J.shm_files([os.getpid()]) == []
 
 
 _RANK_PROGRAM = """

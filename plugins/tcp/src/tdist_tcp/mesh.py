@@ -177,10 +177,10 @@ class _Acceptor(threading.Thread):
         self.stop = threading.Event()
         self._wanted = set(range(rank + 1, size))
         self._pending: dict[socket.socket, _Pending] = {}
-        self._sel = selectors.DefaultSelector()
+        self._sel: Any = None
 
     def run(self) -> None:
-        sel = self._sel
+        sel = self._sel = selectors.DefaultSelector()
         try:
             for listener in self.listeners:
                 listener.setblocking(False)
