@@ -2,7 +2,8 @@
 the store (addresses, group nonce) but does not hold the job's token cannot take a rank's
 place, on the TCP or the Unix-domain listener, as a connector or as a listener; ranks
 given different tokens fail with errors that say so; random and mutated handshakes
-leave the listener serving and leak nothing; and the token reaches the backend through
+leave the listener serving and leak nothing, as do more silent connections than a
+listener holds; and the token reaches the backend through
 ``init_process_group`` in real processes (file:// rendezvous: the store itself is not
 authenticated, the mesh is)."""
 
@@ -153,6 +154,28 @@ def test_ranks_with_different_tokens_say_so():
     assert isinstance(results[0], DistBackendTimeoutError), repr(results[0])
     text = str(results[0])
     assert "a connection claiming rank 1: its proof of the token is wrong (the ranks hold different tokens)" in text
+
+
+def test_silent_connections_do_not_lock_a_rank_out():
+    """More connections that say nothing than a listener holds (MAX_PENDING): the oldest are
+    dropped, and the real rank 1 still connects and the job completes."""
+    store, out = DictStore(), {}
+    thread = _rank0(store, out, {"unix": False})
+    family, address = _endpoint(store, False)
+    silent = []
+    try:
+        for _ in range(mesh.MAX_PENDING + 20):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.connect(address)
+            silent.append(sock)
+        silent[0].settimeout(10)
+        assert silent[0].recv(1) == b""  # the oldest was dropped
+        assert _rank1(store, {"unix": False}) == [2.0, 2.0, 2.0]
+    finally:
+        for sock in silent:
+            sock.close()
+    thread.join(30)
+    assert out["rank0"] == ([2.0, 2.0, 2.0], True)
 
 
 def _xor(data: bytes, flips: list) -> bytes:
