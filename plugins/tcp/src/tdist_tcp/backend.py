@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+import traceback
 import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
@@ -161,6 +162,7 @@ class TcpBackend(Backend):
         self._p2p_seq = [0] * size
         self._shut = False
         self._shut_lock = threading.Lock()
+        self._in_collective = False  # a collective job runs (shutdown waits before unmapping)
         _live.add(self)
 
     # --------------------------------------------------------------- helpers
@@ -193,18 +195,31 @@ class TcpBackend(Backend):
 
         def job() -> Any:
             c = algo.Coll(tr, opcode, rcode, seq, dcode, time.monotonic() + timeout, scratch, nbytes)
+            self._in_collective = True  # (then _shut: see shutdown, which sets them in the other order)
             try:
+                if self._shut:
+                    raise DistBackendError(f"tcp backend: {tr.me}'s process group was destroyed")
                 return body(c)
             except DistBackendError as exc:
+                self._forget_frames(exc)
                 tr.fail(exc)
                 raise
             except BaseException as exc:  # a local failure mid-collective must not leave the peers waiting
+                self._forget_frames(exc)
                 err = DistBackendError(f"tcp backend: {name} failed on {tr.me}: {type(exc).__name__}: {exc}")
                 tr.fail(err)
                 raise err from exc
+            finally:
+                self._in_collective = False
 
         self._coll_lane.submit(job, work)
         return work
+
+    def _forget_frames(self, exc: BaseException) -> None:
+        """Clear the locals of a failed collective's finished frames: they may hold views of
+        the shared segment, which could then not be unmapped at destroy."""
+        if self._shm is not None:
+            traceback.clear_frames(exc.__traceback__)
 
     # ---------------------------------------------------------- point-to-point
     def send(self, tensor: "torch.Tensor", dst: int, tag: int) -> Work:
@@ -485,9 +500,13 @@ class TcpBackend(Backend):
             if self._shut:
                 return
             self._shut = True
-        self._tr.close(self._linger)
+        self._tr.close(self._linger)  # wakes a collective waiting on the segment: it fails
         if self._shm is not None:
-            self._shm.close()
+            deadline = time.monotonic() + 5.0
+            while self._in_collective and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if not self._in_collective:  # else it is stuck in a computation: the GC unmaps later
+                self._shm.close()
         self._scratch.clear()
         error = DistBackendError(f"tcp backend: {self._tr.me}'s process group was destroyed")
         self._coll_lane.close(error)

@@ -52,17 +52,14 @@ x86-64 restriction.
 from __future__ import annotations
 
 import ctypes
-import functools
 import mmap
 import os
 import platform
 import struct
 import sys
-import threading
 import time
-import traceback
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import numpy as np
 from tdist._errors import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError
@@ -303,27 +300,6 @@ def open_shm(store: Any, rank: int, size: int, timeout: float, options: Mapping[
     return ShmEngine(mm, rank, size, slot, transport, options, direct)
 
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _exclusive(method: _F) -> _F:
-    """Run a collective on the segment under the engine's lock (so that :meth:`ShmEngine.close`
-    never unmaps memory in use); a failed collective's frames drop their views of it."""
-
-    @functools.wraps(method)
-    def run(self: "ShmEngine", c: "Coll", *args: Any, **kwargs: Any) -> Any:
-        with self._busy:
-            if self.closed:
-                raise DistBackendError(f"tcp backend: {self.tr.me}'s process group was destroyed")
-            try:
-                return method(self, c, *args, **kwargs)
-            except BaseException as exc:
-                traceback.clear_frames(exc.__traceback__)
-                raise
-
-    return run  # type: ignore[return-value]
-
-
 # ------------------------------------------------------------------------- engine
 class ShmEngine:
     """One group's collectives over its shared segment (one collective at a time)."""
@@ -362,7 +338,6 @@ class ShmEngine:
         self._spin: Optional[float] = None
         self._yield = False
         self.closed = False
-        self._busy = threading.Lock()  # held by the collective running on the segment
         transport.add_break_callback(self.wake)
 
     # ---------------------------------------------------------------- helpers
@@ -424,26 +399,22 @@ class ShmEngine:
             _futex_wake(addr)
         _futex_wake(self._my_addr)
 
-    def close(self, wait: float = 5.0) -> None:
-        """Unmap the segment (and close its descriptor) as soon as no collective uses it:
-        a running one is woken and fails; if it is still running after ``wait`` seconds
-        the mapping is left to the garbage collector. Idempotent."""
+    def close(self) -> None:
+        """Unmap the segment and close its descriptor. The caller makes sure no collective
+        runs on it (the backend waits for the one in progress, woken by the broken
+        transport); a view of it still referenced elsewhere leaves it to the garbage
+        collector. Idempotent."""
         if self.closed:
             return
         self.closed = True
         self.wake()
-        if not self._busy.acquire(True, wait):
-            return
+        self._views, self._kernels, self._last_kernel = {}, {}, (None, None, None)
+        self._t8 = self.u8 = self.ctl = None
+        self._peer_ctr, self._peer_flags = [], []
         try:
-            self._views, self._kernels, self._last_kernel = {}, {}, (None, None, None)
-            self._t8 = self.u8 = self.ctl = None
-            self._peer_ctr, self._peer_flags = [], []
-            try:
-                self.mm.close()
-            except BufferError:  # a view of it is still referenced somewhere: the GC unmaps it
-                pass
-        finally:
-            self._busy.release()
+            self.mm.close()
+        except BufferError:
+            pass
 
     # ----------------------------------------------------------------- stepping
     def _put_desc(self, c: "Coll", nbytes: int, root: int = 0) -> tuple:
@@ -528,11 +499,9 @@ class ShmEngine:
             )
 
     # -------------------------------------------------------------- collectives
-    @_exclusive
     def barrier(self, c: "Coll") -> None:
         self._step(c, self._put_desc(c, 0))
 
-    @_exclusive
     def all_reduce(self, c: "Coll", flat: "torch.Tensor", op: "Reduction", root: Optional[int] = None) -> None:
         """``flat`` := the reduction over ranks (``root`` given: only there, as ``reduce``)."""
         p, r = self.p, self.r
@@ -617,7 +586,6 @@ class ShmEngine:
 
         serially(lambda piece: finalize_(piece, op, self.p), t)
 
-    @_exclusive
     def broadcast(self, c: "Coll", flat: "torch.Tensor", src: int) -> None:
         nb = flat.numel() * flat.element_size()
         desc = self._put_desc(c, nb, src)
@@ -636,7 +604,6 @@ class ShmEngine:
             if a >= nb:
                 return
 
-    @_exclusive
     def gather_blocks(self, c: "Coll", src: "torch.Tensor", outs: Optional[Sequence["torch.Tensor"]],
                       root: Optional[int]) -> None:
         """all_gather (``root`` None) or gather: ``outs[q]`` receives rank q's ``src``."""
@@ -664,7 +631,6 @@ class ShmEngine:
     def _block(self) -> int:
         return max(_ALIGN, (self.S // self.p) // _ALIGN * _ALIGN)
 
-    @_exclusive
     def scatter(self, c: "Coll", dst: "torch.Tensor", ins: Optional[Sequence["torch.Tensor"]], src: int) -> None:
         nb = dst.numel() * dst.element_size()
         desc = self._put_desc(c, nb, src)
@@ -687,7 +653,6 @@ class ShmEngine:
             if a >= nb:
                 return
 
-    @_exclusive
     def reduce_scatter(self, c: "Coll", out: "torch.Tensor", ins: Sequence["torch.Tensor"], op: "Reduction") -> None:
         """Rank r's ``out`` := reduction over ranks of their ``ins[r]`` (``ins`` are flat
         and contiguous; PREMUL_SUM is applied here, to copies, never to ``ins``)."""
@@ -731,7 +696,6 @@ class ShmEngine:
         if avg and n:
             self._finalize(out, op)
 
-    @_exclusive
     def all_to_all(self, c: "Coll", outs: Sequence["torch.Tensor"], ins: Sequence["torch.Tensor"]) -> None:
         """``outs[q]`` of rank r := rank q's ``ins[r]``. Sizes may differ per pair: every rank
         publishes what it sends to and expects from each rank, and every rank checks the
