@@ -230,16 +230,26 @@ def _torch_store_class() -> Any:
 
 _TdistBackedStore: Any = None
 
+#: Every adapter made, kept alive for the process: torch's C++ side (a PrefixStore, a
+#: process group) holds the adapter without a Python reference, and pybind forwards its
+#: calls to the Python methods only while the Python object lives.
+_ADAPTERS: list[Any] = []
+
 
 def as_torch_store(store: Store) -> "torch.distributed.Store":
     """``store`` as a ``torch.distributed.Store`` (what ``torch.distributed.init_process_group(store=...)``,
-    torch's ``PrefixStore`` and torch's backends take). A :class:`TorchStore` gives back the
-    torch store it wraps."""
+    torch's ``PrefixStore`` and torch's backends take); one adapter per store, which lives
+    as long as the process. A :class:`TorchStore` gives back the torch store it wraps."""
     if isinstance(store, TorchStore):
         return store.torch_store
     if not isinstance(store, Store):
         raise TypeError(f"as_torch_store: expected a tdist Store, got {type(store).__name__}")
-    return _torch_store_class()(store)
+    adapter = getattr(store, "_torch_adapter", None)
+    if adapter is None:
+        adapter = _torch_store_class()(store)
+        store._torch_adapter = adapter  # type: ignore[attr-defined]
+        _ADAPTERS.append(adapter)
+    return adapter
 
 
 def from_torch_store(store: Any, timeout: Timeout = None) -> Store:

@@ -1,0 +1,404 @@
+"""``TorchProcessGroup``: a tdist group as a ``torch.distributed.ProcessGroup``.
+
+It is a Python subclass of torch's ``ProcessGroup`` (torch's supported mechanism for
+process groups written in Python: pybind trampolines forward the C++ virtual methods,
+so the DDP reducer, ``_broadcast_coalesced`` and the functional collectives reach the
+same methods as torch's Python API). Every operation goes to the tdist group's backend
+instance through :func:`tdist._dispatch.issue` -- the same path ``tdist.all_reduce``
+takes after its argument checks -- so there is one connection mesh, one sequence of
+operations and the same work hooks. torch has validated the arguments; what remains to
+check here is what only tdist knows (operations and devices the backend declares,
+reductions a dtype cannot do), and it is checked before anything is sent.
+
+Ranks in options (``rootRank``, ``dstRank``, ``srcRank``) are group ranks, as in tdist's
+backend interface. The tdist side of the group stays reachable as ``tdist_group``, and
+the attributes tdist's group has (``ranks``, ``backends``, ``specs``, ``store``,
+``timeout``, ``backend_name``) read through.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as torch_dist
+
+from .._backend import Backend
+from .._coalesced import _pieces
+from .._dispatch import StagedWork, contiguous_view, issue
+from .._errors import DistError
+from .._groups import ProcessGroup
+from .._reduce_op import ReduceOp, Reduction, make_premul_sum
+from .._validate import check_splits
+from .._work import Work
+from ..reduction import check_reduction
+from .work import BridgeWork, all_of
+
+__all__ = ["TorchProcessGroup", "as_reduction", "checked_reduction"]
+
+#: What a blocking call returns once it has waited (torch only calls ``wait()`` on it).
+_FINISHED = BridgeWork(Work.completed("finished"), ())
+
+_TORCH_REDUCE_OP = torch_dist.ReduceOp
+_RED = _TORCH_REDUCE_OP.RedOpType
+_PLAIN = {
+    _RED.SUM: ReduceOp.SUM, _RED.PRODUCT: ReduceOp.PRODUCT, _RED.MIN: ReduceOp.MIN, _RED.MAX: ReduceOp.MAX,
+    _RED.BAND: ReduceOp.BAND, _RED.BOR: ReduceOp.BOR, _RED.BXOR: ReduceOp.BXOR, _RED.AVG: ReduceOp.AVG,
+}
+# Keyed by the operator's integer value: hashing pybind's enum, or reading ReduceOp.op,
+# costs about a microsecond, while hash(ReduceOp) is that integer (checked here).
+_REDUCTIONS = {kind.value: Reduction(op) for kind, op in _PLAIN.items()}
+_PREMUL_SUM = _RED.PREMUL_SUM.value
+_HASH_IS_KIND = all(hash(_TORCH_REDUCE_OP(kind)) == kind.value for kind in _PLAIN)
+#: (operator value, dtype) -> the Reduction check_reduction accepted for that dtype.
+_ACCEPTED: dict[tuple[int, torch.dtype], Reduction] = {}
+
+
+def _kind(op: Any) -> int:
+    """The integer value of torch's ``ReduceOp`` (or ``ReduceOp.RedOpType``) ``op``."""
+    if _HASH_IS_KIND:
+        return hash(op)
+    return (op.op if type(op) is _TORCH_REDUCE_OP else op).value
+
+
+def as_reduction(op: Any) -> Reduction:
+    """tdist's :class:`Reduction` for torch's ``ReduceOp`` (an options' ``reduceOp``, a
+    ``ReduceOp.SUM``-style member, or ``_make_nccl_premul_sum(factor)``)."""
+    kind = _kind(op)
+    reduction = _REDUCTIONS.get(kind)
+    if reduction is not None:
+        return reduction
+    if kind == _PREMUL_SUM:
+        return make_premul_sum(op.factor)
+    raise ValueError(f"tdist: torch reduction {op!r} has no tdist equivalent")
+
+
+def checked_reduction(opts: Any, dtype: torch.dtype, operation: str) -> Reduction:
+    """The reduction of ``opts`` (SUM without options), checked against ``dtype`` before
+    anything is sent (a TypeError for a combination the dtype cannot do)."""
+    op = opts.reduceOp if opts is not None else _RED.SUM
+    key = (_kind(op), dtype)
+    reduction = _ACCEPTED.get(key)
+    if reduction is None:
+        reduction = as_reduction(op)
+        check_reduction(reduction, dtype, operation)
+        if reduction.factor is None:
+            _ACCEPTED[key] = reduction
+    return reduction
+
+
+def _device(tensor: torch.Tensor) -> str:
+    return "cpu" if tensor.is_cpu else tensor.device.type
+
+
+def _one(tensors: Sequence[torch.Tensor], operation: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"{operation}: tdist's groups take one tensor per call, got {len(tensors)}")
+    return tensors[0]
+
+
+def _timeout(opts: Any) -> Optional[timedelta]:
+    """An options' timeout, None when unset (torch's "unset" is negative)."""
+    timeout = getattr(opts, "timeout", None)
+    return timeout if timeout is not None and timeout > timedelta(0) else None
+
+
+class TorchProcessGroup(torch_dist.ProcessGroup):
+    """torch.distributed's view of the tdist group ``group``; ``backend_name`` is what
+    torch reports (``tdist-tcp``)."""
+
+    def __init__(self, group: ProcessGroup, backend_name: str) -> None:
+        super().__init__(group.rank, group.size)
+        self.tdist_group = group
+        self._backend_name = backend_name
+        self.closing = False
+        self._group_name = ""
+        self._group_desc = ""
+        self._device_list = [torch.device(d) for d in group.backends]
+
+    def __repr__(self) -> str:
+        g = self.tdist_group
+        return f"<ProcessGroup {g.name!r} ranks={g.ranks} backend={g.backend_name!r} (tdist, torch: {self._backend_name!r})>"
+
+    # ------------------------------------------------------------- identity
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return self._backend_name
+
+    # torch keeps a group's name and description on its C++ backends; this group has none.
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's name
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802 - torch's name
+        self._group_desc = desc
+
+    _set_group_name = setGroupName
+    _set_group_desc = setGroupDesc
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The device types the group serves (torch picks the device of object collectives from them)."""
+        return list(self._device_list)
+
+    # tdist's view of the group, for programs that use the group with tdist's API.
+    @property
+    def ranks(self) -> list[int]:
+        return self.tdist_group.ranks
+
+    @property
+    def backends(self) -> dict[str, Backend]:
+        return self.tdist_group.backends
+
+    @property
+    def specs(self) -> dict[str, Any]:
+        return self.tdist_group.specs
+
+    @property
+    def store(self) -> Any:
+        return self.tdist_group.store
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.tdist_group.timeout
+
+    @property
+    def backend_name(self) -> str:
+        return self.tdist_group.backend_name
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.tdist_group.timeout = timeout
+
+    # ------------------------------------------------------------- plumbing
+    def _run(
+        self, operation: str, device: str, call: Callable[[Backend], Work], outputs: Sequence[Any],
+        tensors: Sequence[torch.Tensor], copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), opts: Any = None,
+    ) -> BridgeWork:
+        """Issue ``call`` on the tdist group. torch's blocking calls (``opts.asyncOp`` False:
+        torch waits at once and drops the Work) wait here and get a shared finished Work."""
+        work = issue(self.tdist_group, operation, device, call, True, copies, tensors)
+        assert work is not None
+        if opts is not None and not opts.asyncOp:
+            work.wait()
+            return _FINISHED
+        return BridgeWork(work, outputs)
+
+    def _each(self, operation: str, works: list[Work], outputs: Sequence[Any]) -> BridgeWork:
+        return BridgeWork(all_of(works, operation), outputs)
+
+    # ------------------------------------------------------------- collectives
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
+        tensor = _one(tensors, "all_reduce")
+        reduction = checked_reduction(opts, tensor.dtype, "all_reduce")
+        copies: list = []
+        t = contiguous_view(tensor, copies, output=True)
+        return self._run("all_reduce", _device(tensor), lambda b: b.all_reduce(t, reduction), tensors, (tensor,), copies, opts=opts)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
+        if not tensors:
+            raise ValueError("all_reduce_coalesced: no tensors")
+        if len({(t.dtype, t.device) for t in tensors}) != 1:
+            raise ValueError("all_reduce_coalesced: tensors must share one dtype and device")
+        reduction = checked_reduction(opts, tensors[0].dtype, "all_reduce_coalesced")
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        work = issue(self.tdist_group, "all_reduce", _device(flat), lambda b: b.all_reduce(flat, reduction), True,
+                     (), (flat,))
+        assert work is not None
+        return BridgeWork(StagedWork(work, list(zip(tensors, _pieces(flat, tensors)))), tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
+        tensor = _one(tensors, "broadcast")
+        root = opts.rootRank if opts is not None else 0
+        copies: list = []
+        t = contiguous_view(tensor, copies, output=True)
+        return self._run("broadcast", _device(tensor), lambda b: b.broadcast(t, root), tensors, (tensor,), copies, opts=opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
+        tensor = _one(tensors, "reduce")
+        reduction = checked_reduction(opts, tensor.dtype, "reduce")
+        root = opts.rootRank if opts is not None else 0
+        copies: list = []
+        t = contiguous_view(tensor, copies, output=True)
+        return self._run("reduce", _device(tensor), lambda b: b.reduce(t, root, reduction), tensors, (tensor,), copies, opts=opts)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> BridgeWork:
+        tensor = _one(input_tensors, "all_gather")
+        outputs = _one(output_tensors, "all_gather")
+        copies: list = []
+        staged = [contiguous_view(o, copies, output=True) for o in outputs]
+        t = contiguous_view(tensor, None, output=False)
+        return self._run("all_gather", _device(tensor), lambda b: b.all_gather(staged, t), output_tensors,
+                         (tensor,), copies, opts=opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> BridgeWork:
+        copies: list = []
+        out = contiguous_view(output, copies, output=True)
+        inp = contiguous_view(input, None, output=False)
+        return self._run("all_gather_into_tensor", _device(input), lambda b: b.all_gather_into_tensor(out, inp),
+                         [output], (input,), copies, opts=opts)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: Any = None) -> BridgeWork:
+        """``output_lists[r][i]`` receives rank r's ``input_list[i]``: one all_gather per input."""
+        works = []
+        for i, tensor in enumerate(input_list):
+            outputs = [per_rank[i] for per_rank in output_lists]
+            works.append(self.allgather([outputs], [tensor], opts).tdist_work)
+        return self._each("all_gather_coalesced", works, output_lists)
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> BridgeWork:
+        works = [self.all_gather_single(o, i, opts).tdist_work for o, i in zip(outputs, inputs)]
+        return self._each("all_gather_into_tensor_coalesced", works, outputs)
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any = None) -> BridgeWork:
+        tensor = _one(input_tensors, "gather")
+        root = opts.rootRank if opts is not None else 0
+        copies: list = []
+        staged = None
+        if self.tdist_group.rank == root:
+            staged = [contiguous_view(o, copies, output=True) for o in _one(output_tensors, "gather")]
+        t = contiguous_view(tensor, None, output=False)
+        return self._run("gather", _device(tensor), lambda b: b.gather(t, staged, root), output_tensors,
+                         (tensor,), copies, opts=opts)
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any = None) -> BridgeWork:
+        tensor = _one(output_tensors, "scatter")
+        root = opts.rootRank if opts is not None else 0
+        inputs = None
+        if self.tdist_group.rank == root:
+            inputs = [contiguous_view(i, None, output=False) for i in _one(input_tensors, "scatter")]
+        copies: list = []
+        t = contiguous_view(tensor, copies, output=True)
+        return self._run("scatter", _device(tensor), lambda b: b.scatter(t, inputs, root), output_tensors,
+                         (tensor,), copies, opts=opts)
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> BridgeWork:
+        output = _one(output_tensors, "reduce_scatter")
+        reduction = checked_reduction(opts, output.dtype, "reduce_scatter")
+        copies: list = []
+        out = contiguous_view(output, copies, output=True)
+        staged = [contiguous_view(i, None, output=False) for i in _one(input_tensors, "reduce_scatter")]
+        return self._run("reduce_scatter", _device(output), lambda b: b.reduce_scatter(out, staged, reduction),
+                         output_tensors, (output,), copies, opts=opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> BridgeWork:
+        reduction = checked_reduction(opts, output.dtype, "reduce_scatter_tensor")
+        copies: list = []
+        out = contiguous_view(output, copies, output=True)
+        inp = contiguous_view(input, None, output=False)
+        return self._run("reduce_scatter_tensor", _device(output),
+                         lambda b: b.reduce_scatter_tensor(out, inp, reduction), [output], (input,), copies, opts=opts)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> BridgeWork:
+        works = [self.reduce_scatter_single(o, i, opts).tdist_work for o, i in zip(outputs, inputs)]
+        return self._each("reduce_scatter_tensor_coalesced", works, outputs)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
+                          input_split_sizes: Sequence[int], opts: Any = None) -> BridgeWork:
+        size = self.tdist_group.size
+        out_splits = check_splits("all_to_all_single", "output_split_sizes", list(output_split_sizes),
+                                  output.shape[0], size)
+        in_splits = check_splits("all_to_all_single", "input_split_sizes", list(input_split_sizes),
+                                 input.shape[0], size)
+        copies: list = []
+        out = contiguous_view(output, copies, output=True)
+        inp = contiguous_view(input, None, output=False)
+        return self._run("all_to_all_single", _device(input),
+                         lambda b: b.all_to_all_single(out, inp, out_splits, in_splits), [output], (input,), copies, opts=opts)
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> BridgeWork:
+        copies: list = []
+        outs = [contiguous_view(o, copies, output=True) for o in output_tensors]
+        ins = [contiguous_view(i, None, output=False) for i in input_tensors]
+        return self._run("all_to_all", _device(input_tensors[0]), lambda b: b.all_to_all(outs, ins),
+                         output_tensors, input_tensors, copies, opts=opts)
+
+    def barrier(self, opts: Any = None) -> BridgeWork:
+        device = getattr(opts, "device", None)
+        served = self.tdist_group.backends
+        kind = device.type if device is not None and device.type in served else ("cpu" if "cpu" in served else next(iter(served)))
+        work = issue(self.tdist_group, "barrier", kind, lambda b: b.barrier(), True)
+        assert work is not None
+        timeout = _timeout(opts)
+        if timeout is not None:
+            work.default_timeout = timeout.total_seconds()
+        return BridgeWork(work, [])
+
+    def monitored_barrier(self, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False) -> None:
+        from .._collectives import monitored_barrier
+
+        monitored_barrier(self, timeout, wait_all_ranks)
+
+    # ------------------------------------------------------------- point-to-point
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> BridgeWork:  # noqa: N803
+        tensor = _one(tensors, "send")
+        t = contiguous_view(tensor, None, output=False)
+        return self._run("send", _device(tensor), lambda b: b.send(t, dstRank, tag), tensors, (tensor,))
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> BridgeWork:  # noqa: N803
+        tensor = _one(tensors, "recv")
+        copies: list = []
+        t = contiguous_view(tensor, copies, output=True)
+        return self._run("recv", _device(tensor), lambda b: b.recv(t, srcRank, tag), tensors, (tensor,), copies)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> BridgeWork:
+        tensor = _one(tensors, "recv")
+        self.tdist_group.backend_for(_device(tensor), "recv_anysource")
+        copies: list = []
+        t = contiguous_view(tensor, copies, output=True)
+        return self._run("recv", _device(tensor), lambda b: b.recv(t, None, tag), tensors, (tensor,), copies)
+
+    # ------------------------------------------------------------- coalescing
+    def _start_coalescing(self, device: Any) -> None:
+        """Nothing to do: torch's coalescing manager then calls the ``*_coalesced`` forms."""
+
+    def _end_coalescing(self, device: Any) -> BridgeWork:
+        return BridgeWork(Work.completed("coalesced"), [])
+
+    # ------------------------------------------------------------- lifetime
+    def shutdown(self) -> None:
+        """Called by ``torch.distributed.destroy_process_group``: tear the tdist group down
+        too (once; a tdist-side destroy marks the group ``closing`` first)."""
+        if self.closing:
+            return
+        self.closing = True
+        from .mirror import destroy_from_torch
+
+        destroy_from_torch(self.tdist_group)
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    # torch 2.x's older spellings of the same operations.
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+    alltoall_base = all_to_all_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+
+def require_mirror(group: Any) -> TorchProcessGroup:
+    """``group`` if it is a TorchProcessGroup, else a clear error."""
+    if not isinstance(group, TorchProcessGroup):
+        raise DistError(f"{group!r} is not a tdist group seen by torch.distributed")
+    return group
