@@ -169,9 +169,10 @@ def _rendezvous(
 def join(store: Store, key: str, rank: int, members: Sequence[int], timeout: timedelta, backend: str = "") -> None:
     """Block until every rank in ``members`` has called ``join`` with the same ``key``.
 
-    On timeout, raise naming the ranks that never arrived. With ``backend``, every rank
-    must have joined with the same one: else a DistError on each rank that sees the
-    difference (the first member sees every one), before anything else is communicated.
+    On timeout, raise naming the ranks that never arrived. With ``backend``, the ranks
+    must all have named the same backend: the first member compares them and publishes
+    its verdict, so on a difference every member raises the same DistError (and nothing
+    else is communicated).
     """
     store.set(f"{key}/joined/{rank}", backend or b"1")
     deadline = time.monotonic() + timeout.total_seconds()
@@ -190,16 +191,36 @@ def join(store: Store, key: str, rank: int, members: Sequence[int], timeout: tim
             ) from None
         missing.pop(0)
     if backend:
-        _check_same_backend(store, key, rank, list(members), backend)
+        _agree_on_backend(store, key, rank, list(members), timeout)
 
 
-def _check_same_backend(store: Store, key: str, rank: int, members: list[int], backend: str) -> None:
-    others = members if rank == members[0] else members[:1]
-    named = {r: store.get(f"{key}/joined/{r}").decode() for r in others}
-    differ = {r: b for r, b in named.items() if b != backend}
-    if differ:
-        theirs = ", ".join(f"rank {r} {b!r}" for r, b in differ.items())
-        raise DistError(f"{key}: ranks disagree on the backend: rank {rank} {backend!r}, {theirs}")
+#: How long the first member, having found ranks that disagree, waits for the others to
+#: read its verdict before it raises (and its store may close).
+_VERDICT_GRACE_S = 10.0
+
+
+def _agree_on_backend(store: Store, key: str, rank: int, members: list[int], timeout: timedelta) -> None:
+    if rank != members[0]:
+        verdict = store.get(f"{key}/verdict", timeout=timeout.total_seconds()).decode()
+        if verdict != "ok":
+            store.set(f"{key}/read/{rank}", b"1")
+            raise DistError(verdict)
+        return
+    named = {r: store.get(f"{key}/joined/{r}").decode() for r in members}
+    if len(set(named.values())) == 1:
+        store.set(f"{key}/verdict", b"ok")
+        return
+    by_backend: dict[str, list[int]] = {}
+    for r, name in named.items():
+        by_backend.setdefault(name, []).append(r)
+    listing = "; ".join(f"{name!r} on rank(s) {ranks}" for name, ranks in by_backend.items())
+    message = f"{key}: the ranks disagree on the backend: {listing}"
+    store.set(f"{key}/verdict", message)
+    try:
+        store.wait([f"{key}/read/{r}" for r in members[1:]], timeout=min(_VERDICT_GRACE_S, timeout.total_seconds()))
+    except DistStoreTimeoutError:
+        pass  # a rank that does not read the verdict fails on its own (its backend sees no peers)
+    raise DistError(message)
 
 
 def _build_group(

@@ -17,15 +17,27 @@ The bridge is on unless ``init_process_group(..., torch_bridge=False)`` or
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import Any, Optional, Sequence
 
-from tdist_autoload import BRIDGE_ENV, bridge_disabled
+from tdist_autoload import BRIDGE_ENV, bridge_disabled, register
 
-__all__ = ["wanted", "torch_is_free", "mirror_world", "mirror_new_group", "forget", "forget_all", "BRIDGE_ENV"]
+__all__ = [
+    "wanted", "torch_is_free", "mirror_world", "mirror_new_group", "forget", "forget_all", "register_with_torch",
+    "BRIDGE_ENV",
+]
 
 _warned_left_alone = False
+
+
+def register_with_torch() -> None:
+    """At ``import tdist``: register ``tdist-<name>`` with torch.distributed when torch is
+    already imported and its extension autoloading (which does this at ``import torch``)
+    was off. Costs nothing otherwise."""
+    if "torch.distributed" in sys.modules and os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "1":
+        register()
 
 
 def wanted(flag: Optional[bool]) -> bool:

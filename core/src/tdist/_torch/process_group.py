@@ -113,6 +113,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         self.tdist_group = group
         self._backend_name = backend_name
         self.closing = False
+        self._in_flight: dict[int, tuple] = {}
         self._group_name = ""
         self._group_desc = ""
         self._device_list = [torch.device(d) for d in group.backends]
@@ -194,10 +195,20 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         if opts is not None and not opts.asyncOp:
             work.wait()
             return _FINISHED
+        return self._bridge(work, outputs, tensors)
+
+    def _bridge(self, work: Work, outputs: Sequence[Any], tensors: Sequence[Any] = ()) -> BridgeWork:
+        """torch's Work for ``work``. Until it completes the group holds it and its tensors:
+        torch's callers may drop a Work they never wait for (DDP's join check does), and a
+        backend may still be writing into those tensors."""
+        if not work.is_completed():
+            key = id(work)
+            self._in_flight[key] = (work, outputs, tensors)
+            work.add_done_callback(lambda _done: self._in_flight.pop(key, None))
         return BridgeWork(work, outputs)
 
     def _each(self, operation: str, works: list[Work], outputs: Sequence[Any]) -> BridgeWork:
-        return BridgeWork(all_of(works, operation), outputs)
+        return self._bridge(all_of(works, operation), outputs)
 
     # ------------------------------------------------------------- collectives
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
@@ -217,7 +228,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         work = issue(self.tdist_group, "all_reduce", _device(flat), lambda b: b.all_reduce(flat, reduction), True,
                      (), (flat,))
         assert work is not None
-        return BridgeWork(StagedWork(work, list(zip(tensors, _pieces(flat, tensors)))), tensors)
+        return self._bridge(StagedWork(work, list(zip(tensors, _pieces(flat, tensors)))), tensors, (flat,))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
         tensor = _one(tensors, "broadcast")
@@ -342,7 +353,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         timeout = _timeout(opts)
         if timeout is not None:
             work.default_timeout = timeout.total_seconds()
-        return BridgeWork(work, [])
+        return self._bridge(work, [])
 
     def monitored_barrier(self, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False) -> None:
         from .._collectives import monitored_barrier
