@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -215,3 +216,19 @@ def test_ranks_that_disagree_on_the_backend_fail_at_once(tmp_path):
     for res in _results(tmp_path):
         assert "disagree on the backend: 'tcp' on rank(s) [0]; 'gloo' on rank(s) [1]" in res["tdist"], res
         assert "disagree on the backend: 'tcp' on rank(s) [0]; 'gloo' on rank(s) [1]" in res["torch"], res
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_conformance_through_torchs_api():
+    """Every conformance body -- written against torch.distributed's API -- run with the
+    module under test torch.distributed on tdist's tcp backend: torch's functions, through
+    the bridge, to tdist's backend. Left out: what torch itself does not offer to such a
+    backend (the multi-GPU functions torch 2.13 removed; monitored_barrier, gloo only)."""
+    cmd = [sys.executable, "-m", "pytest", os.path.join(TESTS, "test_conformance.py"), "--tdist-dist-module",
+           "torch.distributed", "--tdist-backend", "tdist-tcp", "--tdist-world-sizes", "2",
+           "-k", "not multigpu and not monitored_barrier", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    proc = subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=540)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert int(re.search(r"(\d+) passed", summary).group(1)) >= 150, summary

@@ -124,10 +124,17 @@ class ProcessGroup:
 
 
 class _NonMember:
-    """The handle a rank receives from ``new_group`` when it is not a member."""
+    """The handle a rank receives from ``new_group`` when it is not a member. It equals
+    torch.distributed's own (``-100``), so torch's functions treat it as theirs."""
 
     def __repr__(self) -> str:
         return "<GroupMember.NON_GROUP_MEMBER>"
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or (type(other) is int and other == _TORCH_NON_MEMBER)
+
+    def __hash__(self) -> int:
+        return hash(_TORCH_NON_MEMBER)
 
 
 class _State:

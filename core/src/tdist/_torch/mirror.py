@@ -66,8 +66,10 @@ def mirror_new_group(
     ranks outside it, which still call torch's ``new_group``)."""
     if not is_mirrored(STATE.world) or (pg is not None and unbridgeable(pg)):
         return
+    world = STATE.world
+    assert world is not None
     kwargs: dict[str, Any] = dict(
-        backend=torch_backend_string(devices), timeout=STATE.world.timeout if pg is None else pg.timeout,  # type: ignore[union-attr]
+        backend=torch_backend_string(devices), timeout=world.timeout if pg is None else pg.timeout,
         use_local_synchronization=use_local_synchronization, group_desc=group_desc, sort_ranks=False,
     )
     if pg is None:

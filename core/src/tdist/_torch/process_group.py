@@ -6,9 +6,10 @@ so the DDP reducer, ``_broadcast_coalesced`` and the functional collectives reac
 same methods as torch's Python API). Every operation goes to the tdist group's backend
 instance through :func:`tdist._dispatch.issue` -- the same path ``tdist.all_reduce``
 takes after its argument checks -- so there is one connection mesh, one sequence of
-operations and the same work hooks. torch has validated the arguments; what remains to
-check here is what only tdist knows (operations and devices the backend declares,
-reductions a dtype cannot do), and it is checked before anything is sent.
+operations and the same work hooks. torch leaves roots, list lengths and sizes to its
+backends, so they are checked here as tdist's own functions check them, with what only
+tdist knows (operations and devices the backend declares, reductions a dtype cannot
+do), before anything is sent.
 
 Ranks in options (``rootRank``, ``dstRank``, ``srcRank``) are group ranks, as in tdist's
 backend interface. The tdist side of the group stays reachable as ``tdist_group``, and
@@ -27,18 +28,31 @@ import torch.distributed as torch_dist
 from .._backend import Backend
 from .._coalesced import _pieces
 from .._dispatch import StagedWork, contiguous_view, issue
-from .._errors import DistError
 from .._groups import ProcessGroup
 from .._reduce_op import ReduceOp, Reduction, make_premul_sum
-from .._validate import check_splits
+from .._validate import (
+    check_all_to_all_splits,
+    check_root,
+    check_same_dtype,
+    check_tensor_list,
+    check_whole,
+)
 from .._work import Work
 from ..reduction import check_reduction
 from .work import BridgeWork, all_of
 
 __all__ = ["TorchProcessGroup", "as_reduction", "checked_reduction"]
 
-#: What a blocking call returns once it has waited (torch only calls ``wait()`` on it).
-_FINISHED = BridgeWork(Work.completed("finished"), ())
+
+
+class _Finished(BridgeWork):
+    """What a blocking call returns once it has waited: torch only calls ``wait()`` on it."""
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        return True
+
+
+_FINISHED = _Finished(Work.completed("finished"), ())
 
 _TORCH_REDUCE_OP = torch_dist.ReduceOp
 _RED = _TORCH_REDUCE_OP.RedOpType
@@ -120,7 +134,8 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
 
     def __repr__(self) -> str:
         g = self.tdist_group
-        return f"<ProcessGroup {g.name!r} ranks={g.ranks} backend={g.backend_name!r} (tdist, torch: {self._backend_name!r})>"
+        return (f"<ProcessGroup {g.name!r} ranks={g.ranks} backend={g.backend_name!r} "
+                f"(tdist, torch: {self._backend_name!r})>")
 
     # ------------------------------------------------------------- identity
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -211,112 +226,137 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         return self._bridge(all_of(works, operation), outputs)
 
     # ------------------------------------------------------------- collectives
+    # torch checks less than tdist's API does (it leaves roots, list lengths and sizes to
+    # its backends), so the arguments are checked here as tdist.all_gather & co. check them.
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
-        tensor = _one(tensors, "all_reduce")
+        # The hot path (DDP's buckets, every all_reduce): the helpers inlined.
+        tensor = tensors[0] if len(tensors) == 1 else _one(tensors, "all_reduce")
         reduction = checked_reduction(opts, tensor.dtype, "all_reduce")
         copies: list = []
-        t = contiguous_view(tensor, copies, output=True)
-        return self._run("all_reduce", _device(tensor), lambda b: b.all_reduce(t, reduction), tensors, (tensor,), copies, opts=opts)
+        t = tensor if tensor.is_contiguous() else contiguous_view(tensor, copies, output=True)
+        return self._run("all_reduce", "cpu" if tensor.is_cpu else tensor.device.type,
+                         lambda b: b.all_reduce(t, reduction), tensors, (tensor,), copies, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
-        if not tensors:
-            raise ValueError("all_reduce_coalesced: no tensors")
-        if len({(t.dtype, t.device) for t in tensors}) != 1:
-            raise ValueError("all_reduce_coalesced: tensors must share one dtype and device")
-        reduction = checked_reduction(opts, tensors[0].dtype, "all_reduce_coalesced")
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        checked = check_tensor_list("all_reduce_coalesced", "tensors", tensors, same_numel=False)
+        reduction = checked_reduction(opts, checked[0].dtype, "all_reduce_coalesced")
+        flat = torch.cat([t.reshape(-1) for t in checked])
         work = issue(self.tdist_group, "all_reduce", _device(flat), lambda b: b.all_reduce(flat, reduction), True,
                      (), (flat,))
         assert work is not None
-        return self._bridge(StagedWork(work, list(zip(tensors, _pieces(flat, tensors)))), tensors, (flat,))
+        return self._bridge(StagedWork(work, list(zip(checked, _pieces(flat, checked)))), tensors, (flat,))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
         tensor = _one(tensors, "broadcast")
-        root = opts.rootRank if opts is not None else 0
+        root = check_root("broadcast", self.tdist_group, "src", opts.rootRank if opts is not None else 0)
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
-        return self._run("broadcast", _device(tensor), lambda b: b.broadcast(t, root), tensors, (tensor,), copies, opts=opts)
+        return self._run("broadcast", _device(tensor), lambda b: b.broadcast(t, root), tensors, (tensor,), copies,
+                         opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
         tensor = _one(tensors, "reduce")
         reduction = checked_reduction(opts, tensor.dtype, "reduce")
-        root = opts.rootRank if opts is not None else 0
+        root = check_root("reduce", self.tdist_group, "dst", opts.rootRank if opts is not None else 0)
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
-        return self._run("reduce", _device(tensor), lambda b: b.reduce(t, root, reduction), tensors, (tensor,), copies, opts=opts)
+        return self._run("reduce", _device(tensor), lambda b: b.reduce(t, root, reduction), tensors, (tensor,),
+                         copies, opts)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> BridgeWork:
         tensor = _one(input_tensors, "all_gather")
-        outputs = _one(output_tensors, "all_gather")
+        outputs = check_tensor_list("all_gather", "tensor_list", _one(output_tensors, "all_gather"),
+                                    self.tdist_group.size, like=tensor)
         copies: list = []
         staged = [contiguous_view(o, copies, output=True) for o in outputs]
         t = contiguous_view(tensor, None, output=False)
         return self._run("all_gather", _device(tensor), lambda b: b.all_gather(staged, t), output_tensors,
-                         (tensor,), copies, opts=opts)
+                         (tensor,), copies, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> BridgeWork:
+        check_same_dtype("all_gather_into_tensor", "output_tensor", output, "input_tensor", input)
+        check_whole("all_gather_into_tensor", "output_tensor", output, input, self.tdist_group.size)
         copies: list = []
         out = contiguous_view(output, copies, output=True)
         inp = contiguous_view(input, None, output=False)
         return self._run("all_gather_into_tensor", _device(input), lambda b: b.all_gather_into_tensor(out, inp),
-                         [output], (input,), copies, opts=opts)
+                         [output], (input,), copies, opts)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> BridgeWork:
         """``output_lists[r][i]`` receives rank r's ``input_list[i]``: one all_gather per input."""
+        if len(output_lists) != self.tdist_group.size:
+            raise ValueError(f"all_gather_coalesced: output_tensor_lists has {len(output_lists)} lists, "
+                             f"the group {self.tdist_group.size} ranks")
         works = []
         for i, tensor in enumerate(input_list):
             outputs = [per_rank[i] for per_rank in output_lists]
-            works.append(self.allgather([outputs], [tensor], opts).tdist_work)
+            works.append(self.allgather([outputs], [tensor], None).tdist_work)
         return self._each("all_gather_coalesced", works, output_lists)
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> BridgeWork:
-        works = [self.all_gather_single(o, i, opts).tdist_work for o, i in zip(outputs, inputs)]
+        works = [self.all_gather_single(o, i, None).tdist_work for o, i in zip(outputs, inputs)]
         return self._each("all_gather_into_tensor_coalesced", works, outputs)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> BridgeWork:
         tensor = _one(input_tensors, "gather")
-        root = opts.rootRank if opts is not None else 0
+        pg = self.tdist_group
+        root = check_root("gather", pg, "dst", opts.rootRank if opts is not None else 0)
         copies: list = []
         staged = None
-        if self.tdist_group.rank == root:
-            staged = [contiguous_view(o, copies, output=True) for o in _one(output_tensors, "gather")]
+        if pg.rank == root:
+            outputs = check_tensor_list("gather", "gather_list", _one(output_tensors, "gather"), pg.size, like=tensor)
+            staged = [contiguous_view(o, copies, output=True) for o in outputs]
+        elif any(output_tensors):
+            raise ValueError(
+                f"gather: gather_list must be empty on non-destination ranks (this is rank {pg.ranks[pg.rank]})"
+            )
         t = contiguous_view(tensor, None, output=False)
         return self._run("gather", _device(tensor), lambda b: b.gather(t, staged, root), output_tensors,
-                         (tensor,), copies, opts=opts)
+                         (tensor,), copies, opts)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> BridgeWork:
         tensor = _one(output_tensors, "scatter")
-        root = opts.rootRank if opts is not None else 0
+        pg = self.tdist_group
+        root = check_root("scatter", pg, "src", opts.rootRank if opts is not None else 0)
         inputs = None
-        if self.tdist_group.rank == root:
-            inputs = [contiguous_view(i, None, output=False) for i in _one(input_tensors, "scatter")]
+        if pg.rank == root:
+            checked = check_tensor_list("scatter", "scatter_list", _one(input_tensors, "scatter"), pg.size, like=tensor)
+            inputs = [contiguous_view(i, None, output=False) for i in checked]
+        elif any(input_tensors):
+            raise ValueError(
+                f"scatter: scatter_list must be empty on non-source ranks (this is rank {pg.ranks[pg.rank]})"
+            )
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
         return self._run("scatter", _device(tensor), lambda b: b.scatter(t, inputs, root), output_tensors,
-                         (tensor,), copies, opts=opts)
+                         (tensor,), copies, opts)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> BridgeWork:
         output = _one(output_tensors, "reduce_scatter")
         reduction = checked_reduction(opts, output.dtype, "reduce_scatter")
+        inputs = check_tensor_list("reduce_scatter", "input_list", _one(input_tensors, "reduce_scatter"),
+                                   self.tdist_group.size, like=output)
         copies: list = []
         out = contiguous_view(output, copies, output=True)
-        staged = [contiguous_view(i, None, output=False) for i in _one(input_tensors, "reduce_scatter")]
+        staged = [contiguous_view(i, None, output=False) for i in inputs]
         return self._run("reduce_scatter", _device(output), lambda b: b.reduce_scatter(out, staged, reduction),
-                         output_tensors, (output,), copies, opts=opts)
+                         output_tensors, (output,), copies, opts)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> BridgeWork:
+        check_same_dtype("reduce_scatter_tensor", "output", output, "input", input)
         reduction = checked_reduction(opts, output.dtype, "reduce_scatter_tensor")
+        check_whole("reduce_scatter_tensor", "input", input, output, self.tdist_group.size)
         copies: list = []
         out = contiguous_view(output, copies, output=True)
         inp = contiguous_view(input, None, output=False)
         return self._run("reduce_scatter_tensor", _device(output),
-                         lambda b: b.reduce_scatter_tensor(out, inp, reduction), [output], (input,), copies, opts=opts)
+                         lambda b: b.reduce_scatter_tensor(out, inp, reduction), [output], (input,), copies, opts)
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> BridgeWork:
@@ -325,29 +365,35 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], opts: Any = None) -> BridgeWork:
-        size = self.tdist_group.size
-        out_splits = check_splits("all_to_all_single", "output_split_sizes", list(output_split_sizes),
-                                  output.shape[0], size)
-        in_splits = check_splits("all_to_all_single", "input_split_sizes", list(input_split_sizes),
-                                 input.shape[0], size)
+        check_same_dtype("all_to_all_single", "output", output, "input", input)
+        out_splits, in_splits = check_all_to_all_splits(output, input, list(output_split_sizes),
+                                                        list(input_split_sizes), self.tdist_group.size)
         copies: list = []
         out = contiguous_view(output, copies, output=True)
         inp = contiguous_view(input, None, output=False)
         return self._run("all_to_all_single", _device(input),
-                         lambda b: b.all_to_all_single(out, inp, out_splits, in_splits), [output], (input,), copies, opts=opts)
+                         lambda b: b.all_to_all_single(out, inp, out_splits, in_splits), [output], (input,), copies,
+                         opts)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> BridgeWork:
+        size = self.tdist_group.size
+        inputs = check_tensor_list("all_to_all", "input_tensor_list", input_tensors, size, same_numel=False)
+        outputs = check_tensor_list("all_to_all", "output_tensor_list", output_tensors, size, like=inputs[0],
+                                    same_numel=False)
         copies: list = []
-        outs = [contiguous_view(o, copies, output=True) for o in output_tensors]
-        ins = [contiguous_view(i, None, output=False) for i in input_tensors]
-        return self._run("all_to_all", _device(input_tensors[0]), lambda b: b.all_to_all(outs, ins),
-                         output_tensors, input_tensors, copies, opts=opts)
+        outs = [contiguous_view(o, copies, output=True) for o in outputs]
+        ins = [contiguous_view(i, None, output=False) for i in inputs]
+        return self._run("all_to_all", _device(inputs[0]), lambda b: b.all_to_all(outs, ins), output_tensors,
+                         input_tensors, copies, opts)
 
     def barrier(self, opts: Any = None) -> BridgeWork:
         device = getattr(opts, "device", None)
         served = self.tdist_group.backends
-        kind = device.type if device is not None and device.type in served else ("cpu" if "cpu" in served else next(iter(served)))
+        if device is not None and device.type in served:
+            kind = device.type
+        else:
+            kind = "cpu" if "cpu" in served else next(iter(served))
         work = issue(self.tdist_group, "barrier", kind, lambda b: b.barrier(), True)
         assert work is not None
         timeout = _timeout(opts)
@@ -363,18 +409,22 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
     # ------------------------------------------------------------- point-to-point
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> BridgeWork:  # noqa: N803
         tensor = _one(tensors, "send")
+        dst = check_root("send", self.tdist_group, "dst", dstRank, allow_self=False)
         t = contiguous_view(tensor, None, output=False)
-        return self._run("send", _device(tensor), lambda b: b.send(t, dstRank, tag), tensors, (tensor,))
+        return self._run("send", _device(tensor), lambda b: b.send(t, dst, tag), tensors, (tensor,))
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> BridgeWork:  # noqa: N803
         tensor = _one(tensors, "recv")
+        src = check_root("recv", self.tdist_group, "src", srcRank, allow_self=False)
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
-        return self._run("recv", _device(tensor), lambda b: b.recv(t, srcRank, tag), tensors, (tensor,), copies)
+        return self._run("recv", _device(tensor), lambda b: b.recv(t, src, tag), tensors, (tensor,), copies)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> BridgeWork:
         tensor = _one(tensors, "recv")
         self.tdist_group.backend_for(_device(tensor), "recv_anysource")
+        if self.tdist_group.size == 1:
+            raise ValueError("recv: src=None in a group of one rank: there is no other rank to receive from")
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
         return self._run("recv", _device(tensor), lambda b: b.recv(t, None, tag), tensors, (tensor,), copies)
@@ -406,10 +456,3 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
     alltoall_base = all_to_all_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-
-
-def require_mirror(group: Any) -> TorchProcessGroup:
-    """``group`` if it is a TorchProcessGroup, else a clear error."""
-    if not isinstance(group, TorchProcessGroup):
-        raise DistError(f"{group!r} is not a tdist group seen by torch.distributed")
-    return group

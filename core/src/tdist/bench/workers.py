@@ -274,7 +274,8 @@ def make_adapters(cfg: dict, rank: int, world: int, under_mpi: bool) -> tuple[li
             if tdist_default is None:
                 init = "mpi://" if backend == "mpi" else f"tcp://127.0.0.1:{cfg['ports']['tdist']}"
                 tdist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                                         timeout=timedelta(seconds=timeout), pg_options=options)
+                                         timeout=timedelta(seconds=timeout), pg_options=options,
+                                         torch_bridge=False)  # torch's default group is the gloo reference
                 tdist_default = backend
                 group = None
             else:

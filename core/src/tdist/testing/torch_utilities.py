@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from typing import Any
 
 from ._registry import body
@@ -27,6 +28,7 @@ __all__ = [
     "groups_both_ways",
     "distributed_sampler",
     "ddp_matches_gloo",
+    "ddp_features_match_gloo",
     "fsdp2_matches_one_process",
     "zero_redundancy_optimizer",
     "functional_all_reduce_autograd",
@@ -157,6 +159,15 @@ def groups_both_ways() -> None:
     value = torch.full((2,), float(r))
     result = td.all_reduce(value, group=ours, async_op=True).get_future().wait()
     assert_tensor(result[0], torch.full((2,), float(n * (n - 1) / 2)), "torch Work.get_future() value")
+    from torch.distributed import _functional_collectives as functional
+
+    reduced = functional.all_reduce(torch.ones(2), "sum", ours).wait()  # torch's C++ side finds the group by name
+    assert_tensor(reduced, torch.full((2,), float(n)), "functional all_reduce over the module's group")
+    first = dist.new_group([0])
+    if r != 0:  # a non-member's handle is torch's non-member too: torch warns and does nothing
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            td.all_reduce(torch.ones(1), group=first)
     td.destroy_process_group(ours)
     dist.destroy_process_group(theirs)
     check_world_works("destroying groups from both sides")
@@ -190,6 +201,52 @@ def ddp_matches_gloo() -> None:
     td.destroy_process_group(gloo)
     _assert_params(ours, reference, "DDP over the module's group vs DDP over torch's gloo")
     _assert_params(ours, _reference(), "DDP vs one process on the full batch", atol=1e-5)
+
+
+def _branchy() -> Any:
+    """A model with a layer its forward never uses."""
+    nn = _torch().nn
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.unused = _mlp(), nn.Linear(OUTPUTS, OUTPUTS)
+
+        def forward(self, x: Any) -> Any:
+            return self.net(x)
+
+    return Branchy()
+
+
+def _train_ddp_features(process_group: Any) -> dict[str, Any]:
+    """torch DDP with find_unused_parameters, torch's fp16 compression hook and a no_sync step."""
+    torch = _torch()
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = _branchy()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group, find_unused_parameters=True)
+    ddp.register_comm_hook(process_group, default_hooks.fp16_compress_hook)
+    for step in range(3):
+        x, y = _batch(step)
+        xs, ys = _shard(x).chunk(2), _shard(y).chunk(2)
+        with ddp.no_sync():  # the first micro-batch only accumulates
+            torch.nn.functional.mse_loss(ddp(xs[0]), ys[0]).backward()
+        torch.nn.functional.mse_loss(ddp(xs[1]), ys[1]).backward()
+        _sgd_step(model.parameters())
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@body(suite="torch", min_world_size=2, max_world_size=2, timeout=_SLOW)
+def ddp_features_match_gloo() -> None:
+    """torch DDP's communication hook (fp16 compression), ``no_sync`` and
+    ``find_unused_parameters`` over the module's group: parameters bitwise equal to the
+    same training over torch's gloo."""
+    td = _td()
+    ours = _train_ddp_features(dist.group.WORLD)
+    gloo = td.new_group(backend="gloo")
+    reference = _train_ddp_features(gloo)
+    td.destroy_process_group(gloo)
+    _assert_params(ours, reference, "DDP (fp16 hook, no_sync, unused parameters) vs the same over torch's gloo")
 
 
 @body(suite="torch", min_world_size=2, max_world_size=2, timeout=_SLOW)
