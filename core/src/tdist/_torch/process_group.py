@@ -300,20 +300,26 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         works = [self.all_gather_single(o, i, None).tdist_work for o, i in zip(outputs, inputs)]
         return self._each("all_gather_into_tensor_coalesced", works, outputs)
 
+    def _root_list(self, operation: str, name: str, lists: Sequence[Any], root: int, like: torch.Tensor,
+                   role: str) -> Optional[list[torch.Tensor]]:
+        """The root's list of gather/scatter (torch passes ``[list]``), checked; None on the
+        other ranks, where torch passes an empty one."""
+        pg = self.tdist_group
+        if pg.rank == root:
+            return check_tensor_list(operation, name, _one(lists, operation), pg.size, like=like)
+        if any(lists):
+            raise ValueError(
+                f"{operation}: {name} must be empty on non-{role} ranks (this is rank {pg.ranks[pg.rank]})"
+            )
+        return None
+
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> BridgeWork:
         tensor = _one(input_tensors, "gather")
-        pg = self.tdist_group
-        root = check_root("gather", pg, "dst", opts.rootRank if opts is not None else 0)
+        root = check_root("gather", self.tdist_group, "dst", opts.rootRank if opts is not None else 0)
+        outputs = self._root_list("gather", "gather_list", output_tensors, root, tensor, "destination")
         copies: list = []
-        staged = None
-        if pg.rank == root:
-            outputs = check_tensor_list("gather", "gather_list", _one(output_tensors, "gather"), pg.size, like=tensor)
-            staged = [contiguous_view(o, copies, output=True) for o in outputs]
-        elif any(output_tensors):
-            raise ValueError(
-                f"gather: gather_list must be empty on non-destination ranks (this is rank {pg.ranks[pg.rank]})"
-            )
+        staged = None if outputs is None else [contiguous_view(o, copies, output=True) for o in outputs]
         t = contiguous_view(tensor, None, output=False)
         return self._run("gather", _device(tensor), lambda b: b.gather(t, staged, root), output_tensors,
                          (tensor,), copies, opts)
@@ -321,16 +327,9 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> BridgeWork:
         tensor = _one(output_tensors, "scatter")
-        pg = self.tdist_group
-        root = check_root("scatter", pg, "src", opts.rootRank if opts is not None else 0)
-        inputs = None
-        if pg.rank == root:
-            checked = check_tensor_list("scatter", "scatter_list", _one(input_tensors, "scatter"), pg.size, like=tensor)
-            inputs = [contiguous_view(i, None, output=False) for i in checked]
-        elif any(input_tensors):
-            raise ValueError(
-                f"scatter: scatter_list must be empty on non-source ranks (this is rank {pg.ranks[pg.rank]})"
-            )
+        root = check_root("scatter", self.tdist_group, "src", opts.rootRank if opts is not None else 0)
+        checked = self._root_list("scatter", "scatter_list", input_tensors, root, tensor, "source")
+        inputs = None if checked is None else [contiguous_view(i, None, output=False) for i in checked]
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
         return self._run("scatter", _device(tensor), lambda b: b.scatter(t, inputs, root), output_tensors,

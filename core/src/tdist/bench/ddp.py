@@ -18,8 +18,6 @@ for cores inside a step.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import sys
 import time
@@ -84,7 +82,7 @@ def _slowest(torch_dist: Any, group: Any, seconds: float) -> float:
     return float(t.item())
 
 
-def run(cfg: dict, rank: int, world: int) -> list[dict]:
+def run(cfg: dict, rank: int, world: int, under_mpi: bool = False) -> list[dict]:
     import torch
     import torch.distributed as torch_dist
     import torch.nn.functional as F
@@ -129,27 +127,9 @@ def run(cfg: dict, rank: int, world: int) -> list[dict]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from .workers import _env_rank
+    from .workers import serve
 
-    argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0]) as f:
-        cfg = json.load(f)
-    rank, world, _ = _env_rank()
-    try:
-        results = run(cfg, rank, world)
-    except BaseException as exc:
-        print(f"[bench --ddp] rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(3)
-    if rank == 0:
-        with open(cfg["result"], "w") as f:
-            json.dump(results, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip torch's slow interpreter teardown
+    return serve(run, argv, "[bench --ddp]")
 
 
 if __name__ == "__main__":

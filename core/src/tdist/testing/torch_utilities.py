@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from ._registry import body
 from .helpers import assert_equal, assert_tensor, assert_true, backend_name, check_world_works, dist, is_tdist, raises
@@ -99,6 +99,18 @@ def _train_ddp(process_group: Any, steps: int = STEPS) -> dict[str, Any]:
         torch.nn.functional.mse_loss(ddp(_shard(x)), _shard(y)).backward()
         _sgd_step(model.parameters())
     return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _ours_and_gloo(train: Callable[[Any], dict]) -> tuple[dict, dict]:
+    """``train(group)`` over the module's default group, then over torch's own gloo
+    (a new group of the same processes)."""
+    td = _td()
+    ours = train(dist.group.WORLD)
+    gloo = td.new_group(backend="gloo")
+    try:
+        return ours, train(gloo)
+    finally:
+        td.destroy_process_group(gloo)
 
 
 def _assert_params(actual: dict, expected: dict, what: str, atol: float = 0.0) -> None:
@@ -194,11 +206,7 @@ def distributed_sampler() -> None:
 def ddp_matches_gloo() -> None:
     """torch's DistributedDataParallel over the module's default group ends 5 SGD steps
     with parameters bitwise equal to torch's DDP over torch's own gloo (two ranks)."""
-    td = _td()
-    ours = _train_ddp(dist.group.WORLD)
-    gloo = td.new_group(backend="gloo")
-    reference = _train_ddp(gloo)
-    td.destroy_process_group(gloo)
+    ours, reference = _ours_and_gloo(_train_ddp)
     _assert_params(ours, reference, "DDP over the module's group vs DDP over torch's gloo")
     _assert_params(ours, _reference(), "DDP vs one process on the full batch", atol=1e-5)
 
@@ -241,11 +249,7 @@ def ddp_features_match_gloo() -> None:
     """torch DDP's communication hook (fp16 compression), ``no_sync`` and
     ``find_unused_parameters`` over the module's group: parameters bitwise equal to the
     same training over torch's gloo."""
-    td = _td()
-    ours = _train_ddp_features(dist.group.WORLD)
-    gloo = td.new_group(backend="gloo")
-    reference = _train_ddp_features(gloo)
-    td.destroy_process_group(gloo)
+    ours, reference = _ours_and_gloo(_train_ddp_features)
     _assert_params(ours, reference, "DDP (fp16 hook, no_sync, unused parameters) vs the same over torch's gloo")
 
 
