@@ -147,6 +147,17 @@ def test_backend_that_cannot_serve_torch_says_why(no_torch_group):
         registry._specs["tcp"] = spec
 
 
+def test_tdist_store_under_torchs_prefix_store():
+    """torch's C++ side (a PrefixStore of a group torch makes) reaches every method of a
+    tdist store it was given (as_torch_store), by the C++ names pybind looks up."""
+    store = td.PrefixStore("group/", tdist.as_torch_store(tdist.HashStore()))
+    store.set("a", b"1")
+    assert store.get("a") == b"1" and store.check(["a"]) and store.add("n", 2) == 2
+    assert store.compare_set("a", b"1", b"2") == b"2"
+    store.wait(["a", "n"], timedelta(seconds=5))
+    assert store.num_keys() == 2 and store.delete_key("a") and store.num_keys() == 1
+
+
 # ---------------------------------------------------------------------------- torch's side, real processes
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=base_env(**env), cwd=ROOT, capture_output=True,

@@ -213,7 +213,7 @@ def _torch_store_class() -> Any:
             self._call("barrier", key, world_size, timeout)
 
         def clone(self) -> "TdistBackedStore":
-            return TdistBackedStore(self._call("clone"))
+            return as_torch_store(self._call("clone"))  # kept alive: torch's C++ side may be its only holder
 
         def queue_push(self, key: str, value: Any) -> None:
             self._call("queue_push", key, value)
@@ -223,6 +223,10 @@ def _torch_store_class() -> Any:
 
         def queue_len(self, key: str) -> int:
             return self._call("queue_len", key)
+
+        # torch's C++ callers (a PrefixStore over this store) look these up by their C++ names.
+        getNumKeys = num_keys  # noqa: N815
+        deleteKey = delete_key  # noqa: N815
 
     _TdistBackedStore = TdistBackedStore
     return TdistBackedStore
