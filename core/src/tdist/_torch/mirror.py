@@ -20,7 +20,7 @@ import torch.distributed as torch_dist
 from .._groups import STATE, ProcessGroup
 from .._store import PrefixStore
 from .._store.torch_adapters import as_torch_store
-from .registry import adopting, register_torch_backends, torch_backend_string
+from .registry import adopting, is_mirrored, register_torch_backends, torch_backend_string
 
 __all__ = ["mirror_world", "mirror_new_group", "forget", "forget_all", "destroy_from_torch", "unbridgeable"]
 
@@ -29,11 +29,6 @@ def unbridgeable(pg: ProcessGroup) -> Optional[str]:
     """Why ``pg``'s backends cannot serve torch.distributed, or None."""
     reasons = [f"{spec.name}: {spec.torch_bridge}" for spec in pg.specs.values() if spec.torch_bridge is not None]
     return "; ".join(reasons) or None
-
-
-def is_mirrored(pg: Optional[ProcessGroup]) -> bool:
-    """Whether torch.distributed's default group is ``pg``'s mirror."""
-    return pg is not None and pg.torch_group is not None and pg.torch_group is torch_dist.GroupMember.WORLD
 
 
 def mirror_world(world: ProcessGroup) -> None:

@@ -29,7 +29,8 @@ from .._plugins import plugins
 from .._store.torch_adapters import from_torch_store
 from .process_group import TorchProcessGroup
 
-__all__ = ["register_torch_backends", "create_torch_group", "adopting", "torch_backend_string", "mirror"]
+__all__ = ["register_torch_backends", "create_torch_group", "adopting", "torch_backend_string", "mirror",
+           "is_mirrored"]
 
 _adopting: Optional[ProcessGroup] = None
 
@@ -50,6 +51,11 @@ def torch_backend_string(devices: dict[str, str]) -> str:
     if len(names) == 1:
         return torch_backend_name(names.pop())
     return ",".join(f"{device}:{torch_backend_name(name)}" for device, name in devices.items())
+
+
+def is_mirrored(pg: Optional[ProcessGroup]) -> bool:
+    """Whether torch.distributed's default group is ``pg``'s mirror."""
+    return pg is not None and pg.torch_group is not None and pg.torch_group is torch_dist.GroupMember.WORLD
 
 
 def mirror(pg: ProcessGroup) -> TorchProcessGroup:
@@ -115,7 +121,7 @@ def create_torch_group(name: str, opts: Any, pg_options: Any) -> TorchProcessGro
     display, devices = _devices_for(name)
     join(store, "tdist/join", rank, range(size), timeout, backend=display)
     pg = _build_group(f"torch/{opts.group_id}", ranks, ranks[rank], devices, display, store, timeout, options)
-    if STATE.world is not None and STATE.world.torch_group is torch_dist.GroupMember.WORLD:
+    if is_mirrored(STATE.world):  # tdist's API accepts the groups torch makes on its world
         STATE.groups.append(pg)
     return mirror(pg)
 

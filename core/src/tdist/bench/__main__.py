@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time torch's DistributedDataParallel steps on tdist-tcp against torch's gloo instead "
                         "(--world-sizes, --repeats apply)")
     p.add_argument("--ddp-steps", type=int, default=5, help="training steps per sample for --ddp")
+    p.add_argument("--ddp-batch", type=int, default=16, help="rows per rank per step for --ddp (default 16)")
     return p
 
 
@@ -126,7 +127,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from .ddp import ddp_bench, format_ddp
 
         worlds = [int(w) for w in args.world_sizes.split(",") if w.strip()]
-        rows = ddp_bench(worlds, steps=args.ddp_steps, repeats=args.repeats, timeout=args.timeout)
+        rows = ddp_bench(worlds, steps=args.ddp_steps, repeats=args.repeats, batch=args.ddp_batch,
+                         timeout=args.timeout)
         print(format_ddp(rows))
         if args.json:
             write_json(args.json, rows, {"mode": "ddp"})
