@@ -374,7 +374,7 @@ def new_group(
     name = f"pg{STATE.group_count}"
     display, devices = _parse_backend(backend) if backend else (world.backend_name, _same_devices(world))
     if world.rank not in members:
-        bridging.mirror_new_group(None, members, devices, use_local_synchronization, group_desc)
+        bridging.mirror_new_group(None, members, devices, group_desc)
         return GroupMember.NON_GROUP_MEMBER
     timeout = timeout or world.timeout
     join(STATE.store, f"tdist/{name}", world.rank, members, timeout, backend=display)
@@ -383,7 +383,7 @@ def new_group(
         options["device_id"] = device_id
     pg = _build_group(name, members, world.rank, devices, display, STATE.store, timeout, options)
     STATE.groups.append(pg)
-    bridging.mirror_new_group(pg, members, devices, use_local_synchronization, group_desc)
+    bridging.mirror_new_group(pg, members, devices, group_desc)
     return pg.handle
 
 

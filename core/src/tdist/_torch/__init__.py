@@ -84,14 +84,13 @@ def mirror_world(world: Any) -> None:
     mirror(world)
 
 
-def mirror_new_group(pg: Any, members: Sequence[int], devices: dict[str, str], use_local_synchronization: bool,
-                     group_desc: Optional[str]) -> None:
+def mirror_new_group(pg: Any, members: Sequence[int], devices: dict[str, str], group_desc: Optional[str]) -> None:
     """Mirror a group ``tdist.new_group`` made (``pg`` None on non-members) when the world is mirrored."""
     world = _world_mirrored()
     if world:
         from .mirror import mirror_new_group as mirror
 
-        mirror(pg, members, devices, use_local_synchronization, group_desc)
+        mirror(pg, members, devices, group_desc)
 
 
 def forget(pg: Any) -> None:

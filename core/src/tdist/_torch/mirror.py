@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 import torch.distributed as torch_dist
 
 from .._groups import STATE, ProcessGroup
+from .._init import get_backend_spec
 from .._store import PrefixStore
 from .._store.torch_adapters import as_torch_store
 from .registry import adopting, is_mirrored, register_torch_backends, torch_backend_string
@@ -25,16 +26,21 @@ from .registry import adopting, is_mirrored, register_torch_backends, torch_back
 __all__ = ["mirror_world", "mirror_new_group", "forget", "forget_all", "destroy_from_torch", "unbridgeable"]
 
 
-def unbridgeable(pg: ProcessGroup) -> Optional[str]:
-    """Why ``pg``'s backends cannot serve torch.distributed, or None."""
-    reasons = [f"{spec.name}: {spec.torch_bridge}" for spec in pg.specs.values() if spec.torch_bridge is not None]
+def unbridgeable(devices: dict[str, str]) -> Optional[str]:
+    """Why the backends of a device map cannot serve torch.distributed, or None."""
+    specs = {name: get_backend_spec(name) for name in devices.values()}
+    reasons = [f"{name}: {spec.torch_bridge}" for name, spec in specs.items() if spec.torch_bridge is not None]
     return "; ".join(reasons) or None
+
+
+def _devices(pg: ProcessGroup) -> dict[str, str]:
+    return {device: spec.name for device, spec in pg.specs.items()}
 
 
 def mirror_world(world: ProcessGroup) -> None:
     """Make torch.distributed's default group ``world``'s mirror."""
     register_torch_backends()
-    why = unbridgeable(world)
+    why = unbridgeable(_devices(world))
     if why is not None:
         warnings.warn(f"tdist: torch.distributed is left uninitialized: {why}", stacklevel=3)
         return
@@ -43,7 +49,7 @@ def mirror_world(world: ProcessGroup) -> None:
     try:
         with adopting(world):
             torch_dist.init_process_group(
-                torch_backend_string({d: s.name for d, s in world.specs.items()}),
+                torch_backend_string(_devices(world)),
                 store=as_torch_store(PrefixStore("torch", STATE.store)),
                 rank=world.rank,
                 world_size=world.size,
@@ -54,18 +60,19 @@ def mirror_world(world: ProcessGroup) -> None:
 
 
 def mirror_new_group(
-    pg: Optional[ProcessGroup], members: Sequence[int], devices: dict[str, str], use_local_synchronization: bool,
-    group_desc: Optional[str],
+    pg: Optional[ProcessGroup], members: Sequence[int], devices: dict[str, str], group_desc: Optional[str],
 ) -> None:
     """Mirror the group tdist's ``new_group`` made of ``members`` (``pg`` is None on the
-    ranks outside it, which still call torch's ``new_group``)."""
-    if not is_mirrored(STATE.world) or (pg is not None and unbridgeable(pg)):
+    ranks outside it, which still call torch's ``new_group``: tdist's ``new_group`` is
+    called by every rank, so torch's group names stay in step without
+    ``use_local_synchronization``, whose names would clash for two groups of one set of ranks)."""
+    if not is_mirrored(STATE.world) or unbridgeable(devices):  # the same answer on every rank
         return
     world = STATE.world
     assert world is not None
     kwargs: dict[str, Any] = dict(
         backend=torch_backend_string(devices), timeout=world.timeout if pg is None else pg.timeout,
-        use_local_synchronization=use_local_synchronization, group_desc=group_desc, sort_ranks=False,
+        group_desc=group_desc, sort_ranks=False,
     )
     if pg is None:
         torch_dist.new_group(list(members), **kwargs)
