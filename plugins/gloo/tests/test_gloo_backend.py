@@ -224,3 +224,16 @@ def test_shutdown_is_idempotent(world):
     backend = tdist.group.WORLD.backends["cpu"]
     tdist.destroy_process_group()
     backend.shutdown()
+
+
+def test_a_failed_operation_releases_the_group(world):
+    """After gloo fails an operation the torch group is released (closing its connections,
+    so peers fail at once), and every later call says why instead of hanging."""
+    backend = tdist.group.WORLD.backends["cpu"]
+    released = backend._pg
+    backend._broken(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    assert backend._pg is not released
+    with pytest.raises(tdist.DistBackendError, match=r"unusable after an earlier failure .*Connection closed by peer"):
+        tdist.all_reduce(torch.ones(2))
+    backend._broken(RuntimeError("a second failure"))  # idempotent
+    tdist.destroy_process_group()  # shutting a broken group down raises nothing

@@ -257,7 +257,9 @@ def test_token_from_the_environment_protects_a_file_rendezvous(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     try:
         shared = FileStore(path, -1, timeout=60)
-        shared.set("tdist/init/joined/1", "1")  # rank 0 now believes rank 1 arrived
+        shared.wait(["tdist/init/joined/0"], timeout=60)
+        # rank 0 now believes rank 1 arrived, and named the same backend
+        shared.set("tdist/init/joined/1", shared.get("tdist/init/joined/0"))
         store = PrefixStore("tcp", PrefixStore("pg0", shared))
         store.wait(["tcp/addr/0"], timeout=60)
         with pytest.raises(DistNetworkError, match="did not prove it knows this group's key"):

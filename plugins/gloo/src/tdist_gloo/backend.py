@@ -138,6 +138,7 @@ class GlooWork(Work):
                 self._work.wait()
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
                 self._exc = map_error(exc, self.op)
+                self._work = None  # it holds the group's connections open
                 if self._owner is not None:
                     self._owner._broken(exc)
             else:
@@ -202,7 +203,8 @@ class GlooWork(Work):
         """True once the operation has finished (its outputs are then final)."""
         if self._done:
             return True
-        if self._pollable and self._work.is_completed():
+        work = self._work  # None once a failure released it (then _done follows at once)
+        if self._pollable and work is not None and work.is_completed():
             self._complete()
             return True
         # Some gloo works (send/recv, reduce_scatter) only learn of completion inside wait(),
@@ -843,17 +845,23 @@ class GlooBackend(Backend):
 
     def _broken(self, exc: BaseException) -> None:
         """An operation failed inside gloo: the group's connections are unusable now, and a peer
-        waiting on this rank might only notice at its timeout. Abort the group, closing its
-        connections, so that every peer's pending operation fails at once."""
+        waiting on this rank would only notice at its timeout (``ProcessGroupGloo.abort`` does not
+        close them). Release the torch group -- its connections close when the last reference
+        goes -- so that every peer's pending operation fails at once. Later calls on this group
+        raise DistBackendError naming the first failure."""
         if self._aborted:
             return
         self._aborted = True
-        pg = self._pg
-        if pg is not None:
-            try:
-                pg.abort()
-            except Exception:  # best effort: the group is failing anyway
-                pass
+        pg, self._pg = self._pg, _BrokenGroup(self.global_ranks, map_error(exc, "an earlier operation"))
+        if pg is None:
+            return
+        try:
+            pg.abort()
+        except Exception:  # best effort: the group is failing anyway
+            pass
+        # The torch group's destructor waits for its queued operations: drop it off this thread.
+        threading.Thread(target=_release, args=([pg],), name="tdist-gloo-release", daemon=True).start()
+        del pg
 
     def shutdown(self) -> None:
         if self._closed:
@@ -864,6 +872,26 @@ class GlooBackend(Backend):
             pg.shutdown()
         except Exception:  # an already broken group has nothing left to release
             pass
+
+
+def _release(holder: list) -> None:
+    holder.clear()  # the last reference: ProcessGroupGloo's destructor closes its connections
+
+
+class _BrokenGroup:
+    """Stands for a torch gloo group released after a failure: every use raises."""
+
+    def __init__(self, ranks: Sequence[int], cause: BaseException) -> None:
+        self._ranks = list(ranks)
+        self._cause = cause
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise DistBackendError(
+            f"gloo: group {self._ranks} is unusable after an earlier failure ({self._cause}); "
+            "destroy it and create a new one"
+        ) from self._cause
 
 
 def create_backend(
