@@ -12,6 +12,7 @@ from ._backend import Backend, BackendSpec
 from ._errors import DistError, DistStateError, DistStoreTimeoutError, NotInitializedAssertion
 from ._groups import STATE, GroupMember, ProcessGroup, resolve_group
 from ._plugins import plugins
+from ._secret import secret_argument as _secret_argument
 from ._store import PrefixStore
 from ._store.base import Store, timeout_seconds
 
@@ -215,6 +216,7 @@ def _build_group(
                     timeout=timeout,
                     options=dict(options),
                     global_ranks=list(ranks),
+                    **_secret_argument(spec.factory, store, backend_name),
                 )
             backends[device] = by_name[backend_name]
             specs[device] = spec

@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from tdist._errors import DistStoreTimeoutError
 from tdist._store.base import Store, as_bytes
@@ -135,11 +135,12 @@ class DirStore(Store):
         return len([n for n in os.listdir(self.path) if not n.endswith(".tmp") and n != "lock"])
 
 
-def make_backend(store: Store, rank: int, world: int, timeout: float = 10.0, options: Optional[dict] = None):
+def make_backend(store: Store, rank: int, world: int, timeout: float = 10.0, options: Optional[dict] = None,
+                 secret: bytes = b""):
     from tdist_tcp.backend import create_backend
 
     return create_backend(store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
-                          options=options or {}, global_ranks=list(range(world)))
+                          options=options or {}, global_ranks=list(range(world)), secret=secret)
 
 
 class RankError(AssertionError):
@@ -148,11 +149,11 @@ class RankError(AssertionError):
 
 def run_threads(world: int, body: Callable[[Any, int], Any], timeout: float = 30.0, backend_timeout: float = 10.0,
                 options: Optional[dict] = None, store: Optional[Store] = None, ranks: Optional[Sequence[int]] = None,
-                raise_errors: bool = True) -> list:
+                raise_errors: bool = True, secret: Union[bytes, Sequence[bytes]] = b"") -> list:
     """Run ``body(backend, rank)`` for every rank as threads of this process.
 
     Returns the per-rank results; with ``raise_errors=False`` a rank's exception is
-    returned in its slot instead of being raised.
+    returned in its slot instead of being raised. ``secret``: the factory's, or one per rank.
     """
     store = store or DictStore()
     results: list = [None] * world
@@ -161,7 +162,8 @@ def run_threads(world: int, body: Callable[[Any, int], Any], timeout: float = 30
     def target(rank: int) -> None:
         backend = None
         try:
-            backend = make_backend(store, rank, world, backend_timeout, options)
+            key = secret if isinstance(secret, bytes) else secret[rank]
+            backend = make_backend(store, rank, world, backend_timeout, options, key)
             results[rank] = body(backend, rank)
         except BaseException as exc:
             errors[rank] = exc
@@ -200,12 +202,12 @@ def _worker_main(rank: int, world: int, conn: Any) -> None:
         if msg is None:  # skip the interpreter's slow teardown (torch); backends are already shut down
             conn.close()
             os._exit(0)
-        module, name, args, store_dir, options, backend_timeout = msg
+        module, name, args, store_dir, options, backend_timeout, secret = msg
         backend = None
         try:
             fn = getattr(importlib.import_module(module), name)
             store = DirStore(store_dir)
-            backend = make_backend(store, rank, world, backend_timeout, options)
+            backend = make_backend(store, rank, world, backend_timeout, options, secret)
             backend.test_store = store
             reply = ("ok", fn(backend, rank, *args))
         except BaseException as exc:
@@ -247,18 +249,19 @@ class ProcWorld:
         return [p.pid for p in self.procs]
 
     def run(self, name: str, *args: Any, timeout: float = 30.0, options: Optional[dict] = None,
-            backend_timeout: float = 10.0, dead_ok: Sequence[int] = (), during: Optional[Callable] = None) -> list:
+            backend_timeout: float = 10.0, dead_ok: Sequence[int] = (), during: Optional[Callable] = None,
+            secret: bytes = b"") -> list:
         """Run ``_tcp_jobs.<name>(backend, rank, *args)`` on every rank; return the results.
 
         Ranks in ``dead_ok`` may die (their slot is then ``"dead"``). ``during(world, store_dir)``
-        runs in this process while the job runs.
+        runs in this process while the job runs. ``secret``: the factory's (authenticates the mesh).
         """
         self.ensure_alive()
         self.jobs += 1
         store_dir = os.path.join(self.root, f"job{self.jobs}")
         os.makedirs(store_dir)
         for conn in self.conns:
-            conn.send(("_tcp_jobs", name, args, store_dir, options or {}, backend_timeout))
+            conn.send(("_tcp_jobs", name, args, store_dir, options or {}, backend_timeout, secret))
         if during is not None:
             during(self, store_dir)
         results: list = [None] * self.n

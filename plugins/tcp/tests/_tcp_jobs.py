@@ -297,6 +297,22 @@ def wait_forever_job(b: Any, rank: int) -> Any:
     return describe_error(lambda: b.all_reduce(torch.ones(1000), SUM).wait())
 
 
+def stopped_peer_job(b: Any, rank: int, victim: int, nbytes: int) -> Any:
+    """``victim`` is stopped (SIGSTOP, by the test) while the others run an all_reduce of
+    ``nbytes``; once continued it tries an all_reduce too. Returns every rank's error."""
+    SUM = Reduction(ReduceOp.SUM)
+    store = b.test_store
+    b.all_reduce(torch.ones(8), SUM).wait()  # everyone is connected and working
+    if rank == victim:
+        store.set("test/ready", "1")
+        store.wait(["test/continued"], timeout=120)  # the test stops this process in here
+    else:
+        store.wait(["test/stopped"], timeout=60)
+    error = describe_error(lambda: b.all_reduce(torch.ones(nbytes // 4), SUM).wait())
+    store.set(f"test/done/{rank}", "1")
+    return error
+
+
 def threads_after_shutdown_job(b: Any, rank: int) -> list[str]:
     """Run a few ops, shut the backend down, list the tdist-tcp threads still alive."""
     SUM = Reduction(ReduceOp.SUM)
@@ -331,7 +347,8 @@ def suites_job(b: Any, rank: int) -> list[str]:
 
 # ------------------------------------------------------------- shared memory
 def shm_files(pids) -> list[str]:
-    """The tdist-tcp segments in /dev/shm created by any of ``pids``."""
+    """Entries in /dev/shm named after any of ``pids`` (segments are anonymous memory
+    files now: any such entry is one left behind)."""
     try:
         names = os.listdir("/dev/shm")
     except OSError:
@@ -339,14 +356,58 @@ def shm_files(pids) -> list[str]:
     return sorted(n for n in names for pid in pids if n.startswith(f"tdist-tcp-{pid}-"))
 
 
+def shm_mapped() -> set:
+    """The names of the tdist-tcp segments this process maps (no garbage collection first:
+    a destroyed group's segment must be gone at once)."""
+    with open("/proc/self/maps") as f:
+        return {line.split("/memfd:", 1)[1].split()[0] for line in f if "/memfd:tdist-tcp-" in line}
+
+
+def shm_fds() -> set:
+    """The names of the tdist-tcp segments this process holds a descriptor of."""
+    names = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:tdist-tcp-"):
+            names.add(target.split(":", 1)[1].split()[0])
+    return names
+
+
 def shm_mappings() -> int:
     """How many tdist-tcp segments this process still maps."""
-    import gc
+    return len(shm_mapped())
 
-    gc.collect()
-    with open("/proc/self/maps") as f:
-        return len({line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
-                    for line in f if "/dev/shm/tdist-tcp-" in line})
+
+def init_destroy_cycles_job(b: Any, rank: int, cycles: int) -> list:
+    """``cycles`` times, through the public API: init_process_group("tcp") on this job's
+    store, an all_reduce (through shared memory), destroy_process_group. With the garbage
+    collector off, lists the cycles after which this process still mapped or held a
+    descriptor of a segment (or that did not use one)."""
+    import gc
+    from datetime import timedelta
+
+    import tdist as dist
+
+    maps, fds = shm_mapped(), shm_fds()
+    problems = []
+    gc.disable()
+    try:
+        for k in range(cycles):
+            dist.init_process_group("tcp", store=dist.PrefixStore(f"cycle{k}", b.test_store), rank=rank,
+                                    world_size=b.size, timeout=timedelta(seconds=30))
+            t = torch.ones(4)
+            dist.all_reduce(t)
+            used = shm_mapped() - maps
+            dist.destroy_process_group()
+            left = (shm_mapped() - maps) | (shm_fds() - fds)
+            if len(used) != 1 or left or t[0].item() != b.size:
+                problems.append((k, sorted(used), sorted(left), t[0].item()))
+    finally:
+        gc.enable()
+    return problems
 
 
 def shm_suites_job(b: Any, rank: int, sizes: tuple = (5, 1000, 5000), n: int = 3000) -> tuple:

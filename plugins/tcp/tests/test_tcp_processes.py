@@ -5,6 +5,7 @@ and the plugin registration."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -25,7 +26,8 @@ def world3(tmp_path_factory):
 
 
 def test_suites_across_processes(world3):
-    assert world3.run("suites_job", timeout=90) == [[]] * 3
+    """(with a secret: every connection authenticated)"""
+    assert world3.run("suites_job", timeout=90, secret=b"s" * 32) == [[]] * 3
 
 
 def test_suites_across_processes_segmented(world3):
@@ -63,6 +65,39 @@ def test_sigkill_from_outside_while_peers_wait(world3):
     for rank in (0, 2):
         name, text, elapsed = results[rank]
         assert name == "DistBackendError" and "rank 1" in text and elapsed < 8, results[rank]
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "sockets"])
+def test_stopped_peer_gives_every_waiting_rank_a_timeout_naming_it(world3, shm):
+    """Rank 2 is stopped (SIGSTOP) while ranks 0 and 1 all_reduce 16 MiB: each of them raises
+    DistBackendTimeoutError naming rank 2 (and only rank 2) as the rank that did not
+    arrive, and the collective with its real size; once continued, rank 2 raises too."""
+    from _tcp_harness import DirStore
+
+    def stop_rank2(world, store_dir):
+        store, pid = DirStore(store_dir), world.pids()[2]
+        store.wait(["test/ready"], timeout=50)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            store.set("test/stopped", "1")
+            store.wait(["test/done/0", "test/done/1"], timeout=50)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            store.set("test/continued", "1")
+
+    nbytes, timeout = 16 << 20, 4.0
+    world3.run("shm_state_job", timeout=60)  # every worker is up (a replaced one needs seconds to start)
+    results = world3.run("stopped_peer_job", 2, nbytes, backend_timeout=timeout, during=stop_rank2, timeout=90,
+                         options={"shm": shm})
+    for rank in (0, 1):
+        name, text, elapsed = results[rank]
+        assert name == "DistBackendTimeoutError", (rank, name, text)
+        assert re.search(r"rank 2 \(no answer[^)]*\) did not arrive", text), text
+        assert "rank 0 (" not in text and "rank 1 (" not in text, text
+        assert f"all_reduce(SUM)#2 float32 x {nbytes} bytes" in text, text
+        assert elapsed < timeout + 4, elapsed
+    name, text, _ = results[2]
+    assert name in ("DistBackendTimeoutError", "DistBackendError") and "rank 2" in text, text
 
 
 def test_mismatch_across_processes(world3):

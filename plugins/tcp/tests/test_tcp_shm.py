@@ -1,7 +1,7 @@
 """The tcp backend's shared-memory collectives (tdist_tcp.shm): correctness across sizes,
 dtypes and reduce ops (in one round of the segment's buffers and in many), opt-out,
 the whole group falling back when one rank declines, mismatch, dead peers, timeouts,
-and no segment left in /dev/shm or mapped after destroy or a killed peer."""
+and no segment left mapped or open after destroy or a killed peer."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import torch
 from _tcp_harness import DictStore, ProcWorld, make_backend, run_threads
 from tdist._errors import DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction
+from tdist_tcp import segment
 from tdist_tcp import shm as S
 
 pytestmark = [
     pytest.mark.timeout(180),
-    pytest.mark.skipif(not S.shm_enabled({"shm": True}), reason="shared memory needs Linux x86-64 and /dev/shm"),
+    pytest.mark.skipif(not S.shm_enabled({"shm": True}), reason="shared memory needs Linux x86-64, memfd and /proc"),
 ]
 
 SMALL = {"shm_slot_bytes": 16384, "shm_direct_bytes": 256}  # many rounds, two-step all_reduce early
@@ -57,7 +58,8 @@ def _check_suites(results, world):
 
 @pytest.mark.parametrize("options", [{}, SMALL], ids=["default", "small-buffers"])
 def test_suites_processes_2(world2, options):
-    _check_suites(world2.run("shm_suites_job", timeout=150, options=options), 2)
+    """(with a secret: the connections and the segment authenticated)"""
+    _check_suites(world2.run("shm_suites_job", timeout=150, options=options, secret=b"s" * 32), 2)
 
 
 @pytest.mark.parametrize("options", [{}, SMALL], ids=["default", "small-buffers"])
@@ -234,34 +236,110 @@ def test_destroy_releases_everything():
     assert J.shm_mappings() == 0
 
 
-def test_setup_with_a_missing_rank_unlinks_the_segment():
-    """Rank 0 creates the segment, its peer never answers: the setup times out and the
-    name is gone from /dev/shm."""
+def test_init_destroy_cycles_release_every_segment_at_once(world2):
+    """20 init_process_group/destroy_process_group cycles in real processes, with the
+    garbage collector off: after every destroy the segment is unmapped and its
+    descriptor closed (it used to stay until a collection, 20-40 of them after 20 cycles)."""
+    assert world2.run("init_destroy_cycles_job", 20, timeout=120) == [[], []]
+
+
+_SETUP_PROGRAM = """
+import sys, time
+sys.path.insert(0, sys.argv[3])
+from _tcp_harness import DirStore, make_backend
+from tdist_tcp.mesh import connect_mesh
+
+rank, store = int(sys.argv[1]), DirStore(sys.argv[2])
+if rank == 0:
+    make_backend(store, 0, 2, 120.0)  # creates the segment, then waits for rank 1's answer
+else:
+    connect_mesh(store, 1, 2, 120.0, {})  # connects, never answers the shared-memory setup
+    time.sleep(120)
+"""
+
+
+def _holders(name: str) -> list[str]:
+    """The processes of this host that hold segment ``name`` open or mapped."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+        except OSError:  # gone meanwhile, or not ours to look at
+            continue
+        if f"/memfd:{name} " in maps or any(link.startswith(f"/memfd:{name} ") for link in links):
+            found.append(pid)
+    return found
+
+
+def test_every_rank_killed_during_setup_leaves_nothing(tmp_path):
+    """Both ranks are SIGKILLed while rank 0 waits in the shared-memory setup, the segment
+    created and published: nothing named after the job is in /dev/shm, and no process
+    holds the segment (it was never a file: the kernel freed it with its last user)."""
+    import signal
+    import subprocess
+    import sys
+
+    from _tcp_harness import DirStore
+
+    store_dir = str(tmp_path / "store")
+    store = DirStore(store_dir)
+    procs = [subprocess.Popen([sys.executable, "-c", _SETUP_PROGRAM, str(r), store_dir, os.path.dirname(__file__)])
+             for r in (0, 1)]
+    try:
+        nonce = store.get("tcp/nonce", timeout=60).decode()
+        where = store.get(f"tcp/shm/{nonce}/name", timeout=60).decode()
+        time.sleep(0.2)  # rank 0 is waiting for rank 1's answer
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait(30)
+    name = where.split("|")[0].split(":")[-1]
+    assert name.startswith("tdist-tcp-" + nonce[:16]), where
+    assert J.shm_files([p.pid for p in procs]) == []
+    assert [n for n in os.listdir("/dev/shm") if nonce[:16] in n] == []
+    assert _holders(name) == []
+
+
+def test_setup_with_a_missing_rank_releases_the_segment():
+    """Rank 0 creates the segment, its peer never answers: the setup times out and this
+    process neither maps it nor holds a descriptor of it any more."""
     from tdist_tcp.transport import Transport
 
     store = DictStore()
     tr = Transport(0, 2, {}, 1.0)
     try:
         with pytest.raises(Exception) as info:
-            S.open_shm(store, 0, 2, 0.5, {}, tr, "ab" * 16)
+            S.open_shm(store, 0, 2, 0.5, {}, tr, b"\xab" * 16, b"k" * 32)
         assert isinstance(info.value, DistBackendTimeoutError), info.value
         assert "ranks [1]" in str(info.value)
     finally:
         tr.close(0.0)
-    assert J.shm_files([os.getpid()]) == []
+    assert J.shm_mapped() == set() and J.shm_fds() == set()
 
 
-def test_segment_of_another_group_is_refused():
-    """A name whose header carries another nonce (a stale or foreign segment) is not attached."""
-    name, mm = S._create(2, 65536, b"x" * 16)
+def test_segment_of_another_group_or_key_is_refused():
+    """A segment whose header carries another nonce or size, or whose proof was made with
+    another key, is not attached; neither is a descriptor that is not a tdist segment."""
+    nonce, key = b"x" * 16, b"k" * 32
+    total = S._layout(2, 65536)[2]
+    name, fd, mm = segment.create(total, 2, 65536, nonce, key)
+    where = segment.locator(name, fd)
     try:
-        assert S._attach(name, 2, 65536, b"y" * 16) is None
-        assert S._attach(name, 3, 65536, b"x" * 16) is None
-        other = S._attach(name, 2, 65536, b"x" * 16)
+        assert segment.attach(where, total, 2, 65536, b"y" * 16, key) is None
+        assert segment.attach(where, total, 3, 65536, nonce, key) is None
+        assert segment.attach(where, total, 2, 65536, nonce, b"j" * 32) is None
+        other = segment.attach(where, total, 2, 65536, nonce, key)
         assert other is not None
         other.close()
-        assert S._attach("../etc/passwd", 2, 65536, b"x" * 16) is None
+        pid, _fd, scope, _name = where.split(":")
+        with open(__file__, "rb") as f:  # a real descriptor, but not a segment
+            assert segment.attach(f"{pid}:{f.fileno()}:{scope}:{name}", total, 2, 65536, nonce, key) is None
+        for bad in ("", "x", f"{pid}:{fd}:{scope}:../../etc/passwd", f"1:{fd}:{scope}:{name}",
+                    f"{pid}:99999:{scope}:{name}", f"{pid}:{fd}:{'0' * 16}:{name}"):  # last: another host/namespace
+            assert segment.attach(bad, total, 2, 65536, nonce, key) is None, bad
     finally:
         mm.close()
-        S._unlink(name)
-
+        segment.close_fd(fd)
+    assert name not in J.shm_mapped() | J.shm_fds()

@@ -18,6 +18,7 @@ import torch
 from _tcp_harness import DictStore, make_backend, run_threads
 from tdist._errors import DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction
+from tdist_tcp.auth import HELLO
 
 pytestmark = pytest.mark.timeout(90)
 SUM = Reduction(ReduceOp.SUM)
@@ -178,7 +179,7 @@ def test_bad_handshakes_are_refused_and_setup_continues():
     thread = threading.Thread(target=rank0)
     thread.start()
     host, port = store.get("tcp/addr/0", timeout=10).decode().rsplit(":", 1)
-    for junk in (b"GET / HTTP/1.0\r\n\r\n" + b"x" * 40, b"TDISTTCP" + b"\0" * 36):
+    for junk in (b"GET / HTTP/1.0\r\n\r\n" + b"x" * 40, b"TDISTTCP" + b"\0" * (HELLO.size - 8)):
         with socket.create_connection((host, int(port)), timeout=5) as s:
             s.sendall(junk)
             try:

@@ -411,6 +411,7 @@ def create_backend(
     timeout: timedelta,
     options: Optional[dict] = None,
     global_ranks: Optional[Sequence[int]] = None,
+    **_ignored: Any,  # later versions of the factory contract may pass more (e.g. secret=)
 ) -> MPIBackend:
     """The factory: a communicator over ``global_ranks`` (MPI COMM_WORLD ranks).
 

@@ -505,6 +505,7 @@ def create_backend(
     timeout: timedelta,
     options: Optional[dict[str, Any]] = None,
     global_ranks: Optional[Sequence[int]] = None,
+    **_ignored: Any,  # later versions of the factory contract may pass more (e.g. secret=)
 ) -> NcclBackend:
     """The factory the ``nccl`` BackendSpec registers."""
     import torch

@@ -5,10 +5,11 @@ TCP connections between the ranks of a group, in Python (torch does the arithmet
 Importing this package is cheap: torch and the backend load when a group is created.
 
 Modules: :mod:`.plugin` (the hook implementations), :mod:`.wire` (frame format),
-:mod:`.mesh` (connection setup), :mod:`.transport` (reader threads, matching),
-:mod:`.lanes` (where operations run), :mod:`.algorithms` (ring/tree/doubling),
-:mod:`.shm` (collectives through shared memory when the whole group is on one host),
-:mod:`.backend` (``TcpBackend``).
+:mod:`.auth` (keys and the mutually authenticated handshake), :mod:`.mesh` (connection
+setup), :mod:`.transport` (reader threads, matching, timeouts), :mod:`.lanes` (where
+operations run), :mod:`.algorithms` (ring/tree/doubling), :mod:`.segment` (the shared
+segment: create, find, authenticate), :mod:`.shm` (collectives through shared memory when
+the whole group is on one host), :mod:`.backend` (``TcpBackend``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from tdist.reduction import combine_
 
-from .transport import PostedRecv, Transport
+from .transport import FrameTimeout, PostedRecv, Transport
 from .wire import COLL, OP_ACK, PART_FOLD, PART_UNFOLD, byte_view, pack_header
 
 if TYPE_CHECKING:
@@ -98,13 +98,13 @@ class Scratch:
 
 
 class Coll:
-    """One collective: its operation, reduce op and dtype codes, sequence number, deadline
-    and the group's scratch buffers."""
+    """One collective: its operation, reduce op and dtype codes, sequence number, size
+    (bytes of this rank's tensor, for messages), deadline and the group's scratch buffers."""
 
-    __slots__ = ("tr", "rank", "size", "op", "redop", "seq", "dtype", "deadline", "scratch")
+    __slots__ = ("tr", "rank", "size", "op", "redop", "seq", "dtype", "nbytes", "deadline", "scratch")
 
     def __init__(self, tr: Transport, op: int, redop: int, seq: int, dtype: int, deadline: float,
-                 scratch: Optional[Scratch] = None) -> None:
+                 scratch: Optional[Scratch] = None, nbytes: int = 0) -> None:
         self.tr = tr
         self.rank = tr.rank
         self.size = tr.size
@@ -112,24 +112,38 @@ class Coll:
         self.redop = redop
         self.seq = seq
         self.dtype = dtype
+        self.nbytes = nbytes
         self.deadline = deadline
         self.scratch = scratch if scratch is not None else Scratch(0)
 
     def irecv(self, src: int, dest: memoryview, part: int = 0) -> PostedRecv:
         """Post the receive of frame ``part`` (step << 32 | segment) of this collective from ``src``."""
-        return self.tr.post_coll(src, dest, self.op, self.redop, self.seq, self.dtype, self.deadline, part)
+        try:
+            return self.tr.post_coll(src, dest, self.op, self.redop, self.seq, self.dtype, self.deadline, part)
+        except FrameTimeout as exc:
+            raise self._timeout(exc) from None
 
     def wait(self, pr: PostedRecv) -> None:
-        self.tr.wait_coll(pr, self.deadline)
+        try:
+            self.tr.wait_coll(pr, self.deadline)
+        except FrameTimeout as exc:
+            raise self._timeout(exc) from None
+
+    def _timeout(self, exc: FrameTimeout) -> Exception:
+        return self.tr.collective_timeout(self, exc.peer, f"waiting for {exc.frame} from {self.tr.label(exc.peer)}")
 
     def send(self, dst: int, payload: memoryview, part: int = 0) -> None:
-        self.tr.send(dst, pack_header(COLL, self.op, self.redop, self.dtype, part, self.seq, len(payload)), payload)
+        self.tr.send(dst, pack_header(COLL, self.op, self.redop, self.dtype, part, self.seq, len(payload)), payload,
+                     self)
 
     def irecv_ack(self, src: int) -> PostedRecv:
-        return self.tr.post_coll(src, _EMPTY, OP_ACK, 0, self.seq, 0, self.deadline)
+        try:
+            return self.tr.post_coll(src, _EMPTY, OP_ACK, 0, self.seq, 0, self.deadline)
+        except FrameTimeout as exc:
+            raise self._timeout(exc) from None
 
     def ack(self, dst: int) -> None:
-        self.tr.send(dst, pack_header(COLL, OP_ACK, 0, 0, 0, self.seq, 0), _EMPTY)
+        self.tr.send(dst, pack_header(COLL, OP_ACK, 0, 0, 0, self.seq, 0), _EMPTY, self)
 
     def sendrecv(self, peer: int, payload: memoryview, dest: memoryview, part: int = 0) -> None:
         pr = self.irecv(peer, dest, part)

@@ -17,6 +17,9 @@ the segment, default 1 MiB), ``shm_direct_bytes`` (all_reduce/reduce up to this 
 step, default 512 KiB / group size), ``shm_block_bytes`` (cache blocking of reductions, default 256 KiB),
 ``shm_spin_us`` (microseconds a waiter spins before sleeping) and the tunables of
 :data:`DEFAULTS`.
+
+The factory's ``secret`` (from the job's token) authenticates every connection and the
+shared segment (:mod:`tdist_tcp.auth`); without one, nothing is authenticated.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+import traceback
 import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
@@ -36,7 +40,7 @@ from tdist.reduction import check_reduction, finalize_, prescale_
 
 from . import algorithms as algo
 from .lanes import Lane, TcpWork
-from .mesh import NONCE_KEY, connect_mesh
+from .mesh import connect_mesh
 from .shm import ShmEngine, open_shm
 from .transport import PostedRecv, Transport
 from .wire import OP_CODES, P2P, byte_view, dtype_code, pack_header, redop_code
@@ -136,9 +140,10 @@ class TcpBackend(Backend):
     name = "tcp"
 
     def __init__(self, rank: int, size: int, timeout: timedelta, transport: Transport,
-                 options: Mapping[str, Any], shm: Optional[ShmEngine] = None) -> None:
+                 options: Mapping[str, Any], shm: Optional[ShmEngine] = None, authenticated: bool = False) -> None:
         super().__init__(rank, size, timeout)
         self._shm = shm
+        self._authenticated = authenticated
         opts = {**DEFAULTS, **{k: v for k, v in options.items() if k in DEFAULTS}}
         self._tr = transport
         self._me = transport.me
@@ -157,6 +162,7 @@ class TcpBackend(Backend):
         self._p2p_seq = [0] * size
         self._shut = False
         self._shut_lock = threading.Lock()
+        self._in_collective = False  # a collective job runs (shutdown waits before unmapping)
         _live.add(self)
 
     # --------------------------------------------------------------- helpers
@@ -164,15 +170,15 @@ class TcpBackend(Backend):
         return max(1, self._segment_bytes // max(1, element_size))
 
     def _submit(self, name: str, dtype: Any, redop: Optional["Reduction"],
-                body: Callable[[algo.Coll], Any]) -> Work:
-        """Queue one collective on the collective lane."""
+                body: Callable[[algo.Coll], Any], nbytes: int = 0) -> Work:
+        """Queue one collective on the collective lane (``nbytes``: this rank's tensor, for messages)."""
         work = TcpWork(f"tcp {name} on {self._me}", self._work_timeout)
         tr = self._tr
         if tr.broken is not None:
             work.set_exception(tr.broken)
             return work
         self._seq += 1
-        seq = self._seq
+        seq = tr.issued = self._seq
         opcode = OP_CODES[name]
         if redop is None and dtype is None:
             rcode = dcode = 0
@@ -188,19 +194,32 @@ class TcpBackend(Backend):
         scratch = self._scratch
 
         def job() -> Any:
-            c = algo.Coll(tr, opcode, rcode, seq, dcode, time.monotonic() + timeout, scratch)
+            c = algo.Coll(tr, opcode, rcode, seq, dcode, time.monotonic() + timeout, scratch, nbytes)
+            self._in_collective = True  # (then _shut: see shutdown, which sets them in the other order)
             try:
+                if self._shut:
+                    raise DistBackendError(f"tcp backend: {tr.me}'s process group was destroyed")
                 return body(c)
             except DistBackendError as exc:
+                self._forget_frames(exc)
                 tr.fail(exc)
                 raise
             except BaseException as exc:  # a local failure mid-collective must not leave the peers waiting
+                self._forget_frames(exc)
                 err = DistBackendError(f"tcp backend: {name} failed on {tr.me}: {type(exc).__name__}: {exc}")
                 tr.fail(err)
                 raise err from exc
+            finally:
+                self._in_collective = False
 
         self._coll_lane.submit(job, work)
         return work
+
+    def _forget_frames(self, exc: BaseException) -> None:
+        """Clear the locals of a failed collective's finished frames: they may hold views of
+        the shared segment, which could then not be unmapped at destroy."""
+        if self._shm is not None:
+            traceback.clear_frames(exc.__traceback__)
 
     # ---------------------------------------------------------- point-to-point
     def send(self, tensor: "torch.Tensor", dst: int, tag: int) -> Work:
@@ -280,7 +299,7 @@ class TcpBackend(Backend):
                 back.copy_(flat.view(back.shape))
             return [tensor]
 
-        return self._submit("broadcast", tensor.dtype, None, body)
+        return self._submit("broadcast", tensor.dtype, None, body, tensor.nbytes)
 
     def all_reduce(self, tensor: "torch.Tensor", op: "Reduction") -> Work:
         _check_reduction(op, tensor.dtype, "tcp all_reduce")
@@ -303,7 +322,7 @@ class TcpBackend(Backend):
                 back.copy_(flat.view(back.shape))
             return [tensor]
 
-        return self._submit("all_reduce", tensor.dtype, op, body)
+        return self._submit("all_reduce", tensor.dtype, op, body, tensor.nbytes)
 
     def reduce(self, tensor: "torch.Tensor", dst: int, op: "Reduction") -> Work:
         _check_reduction(op, tensor.dtype, "tcp reduce")
@@ -322,7 +341,7 @@ class TcpBackend(Backend):
                     back.copy_(flat.view(back.shape))
             return [tensor]
 
-        return self._submit("reduce", tensor.dtype, op, body)
+        return self._submit("reduce", tensor.dtype, op, body, tensor.nbytes)
 
     def _gather_ring(self, c: algo.Coll, blocks: list, tensor: "torch.Tensor") -> None:
         if self._shm is not None:
@@ -341,7 +360,7 @@ class TcpBackend(Backend):
                     back.copy_(flat.view(back.shape))
             return list(outputs)
 
-        return self._submit("all_gather", tensor.dtype, None, body)
+        return self._submit("all_gather", tensor.dtype, None, body, tensor.nbytes)
 
     def all_gather_into_tensor(self, output: "torch.Tensor", tensor: "torch.Tensor") -> Work:
         def body(c: algo.Coll) -> list:
@@ -352,7 +371,7 @@ class TcpBackend(Backend):
                 back.copy_(flat.view(back.shape))
             return [output]
 
-        return self._submit("all_gather_into_tensor", tensor.dtype, None, body)
+        return self._submit("all_gather_into_tensor", tensor.dtype, None, body, tensor.nbytes)
 
     def gather(self, tensor: "torch.Tensor", outputs: Optional[Sequence["torch.Tensor"]], dst: int) -> Work:
         def body(c: algo.Coll) -> list:
@@ -375,7 +394,7 @@ class TcpBackend(Backend):
                     back.copy_(flat.view(back.shape))
             return list(outputs)  # type: ignore[arg-type]
 
-        return self._submit("gather", tensor.dtype, None, body)
+        return self._submit("gather", tensor.dtype, None, body, tensor.nbytes)
 
     def scatter(self, tensor: "torch.Tensor", inputs: Optional[Sequence["torch.Tensor"]], src: int) -> Work:
         def body(c: algo.Coll) -> list:
@@ -397,7 +416,7 @@ class TcpBackend(Backend):
                 back.copy_(flat.view(back.shape))
             return [tensor]
 
-        return self._submit("scatter", tensor.dtype, None, body)
+        return self._submit("scatter", tensor.dtype, None, body, tensor.nbytes)
 
     def _reduce_scatter(self, c: algo.Coll, output: "torch.Tensor", work: "torch.Tensor", sizes: list,
                         op: "Reduction") -> None:
@@ -431,7 +450,7 @@ class TcpBackend(Backend):
             self._reduce_scatter(c, output, work, [t.numel() for t in inputs], op)
             return [output]
 
-        return self._submit("reduce_scatter", output.dtype, op, body)
+        return self._submit("reduce_scatter", output.dtype, op, body, output.nbytes)
 
     def reduce_scatter_tensor(self, output: "torch.Tensor", tensor: "torch.Tensor", op: "Reduction") -> Work:
         _check_reduction(op, output.dtype, "tcp reduce_scatter_tensor")
@@ -444,7 +463,7 @@ class TcpBackend(Backend):
             self._reduce_scatter(c, output, work, [output.numel()] * self.size, op)
             return [output]
 
-        return self._submit("reduce_scatter_tensor", output.dtype, op, body)
+        return self._submit("reduce_scatter_tensor", output.dtype, op, body, output.nbytes)
 
     def all_to_all(self, outputs: Sequence["torch.Tensor"], inputs: Sequence["torch.Tensor"]) -> Work:
         def body(c: algo.Coll) -> list:
@@ -462,7 +481,7 @@ class TcpBackend(Backend):
             return list(outputs)
 
         dtype = inputs[0].dtype if inputs else None
-        return self._submit("all_to_all", dtype, None, body)
+        return self._submit("all_to_all", dtype, None, body, sum(t.nbytes for t in inputs))
 
     def barrier(self) -> Work:
         def body(c: algo.Coll) -> list:
@@ -481,9 +500,13 @@ class TcpBackend(Backend):
             if self._shut:
                 return
             self._shut = True
-        self._tr.close(self._linger)
+        self._tr.close(self._linger)  # wakes a collective waiting on the segment: it fails
         if self._shm is not None:
-            self._shm.close()
+            deadline = time.monotonic() + 5.0
+            while self._in_collective and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if not self._in_collective:  # else it is stuck in a computation: the GC unmaps later
+                self._shm.close()
         self._scratch.clear()
         error = DistBackendError(f"tcp backend: {self._tr.me}'s process group was destroyed")
         self._coll_lane.close(error)
@@ -498,17 +521,25 @@ class TcpBackend(Backend):
     def __repr__(self) -> str:
         state = "shut down" if self._shut else ("broken" if self._tr.broken else "ok")
         via = " shm" if self._shm is not None else ""
-        return f"<TcpBackend rank {self.rank}/{self.size}{via} {state}>"
+        auth = " authenticated" if self._authenticated else ""
+        return f"<TcpBackend rank {self.rank}/{self.size}{via}{auth} {state}>"
 
     @property
     def uses_shm(self) -> bool:
         """Whether this group's collectives go through shared memory."""
         return self._shm is not None
 
+    @property
+    def authenticated(self) -> bool:
+        """Whether this group's connections (and segment) were proved with the job's secret."""
+        return self._authenticated
+
 
 def create_backend(*, store: "Store", rank: int, world_size: int, timeout: Any, options: Optional[Mapping] = None,
-                   global_ranks: Optional[Sequence[int]] = None, **_ignored: Any) -> TcpBackend:
-    """The factory registered for ``tcp``: connect to the group's peers through ``store``."""
+                   global_ranks: Optional[Sequence[int]] = None, secret: bytes = b"", **_ignored: Any) -> TcpBackend:
+    """The factory registered for ``tcp``: connect to the group's peers through ``store``;
+    with a ``secret`` (the core derives it from the job's store token) every connection
+    and the shared segment are authenticated with it."""
     options = dict(options or {})
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(seconds(timeout, 300.0)))  # type: ignore[arg-type]
@@ -516,14 +547,15 @@ def create_backend(*, store: "Store", rank: int, world_size: int, timeout: Any, 
     if timeout_s <= 0:
         raise ValueError(f"tcp backend: timeout must be positive, got {timeout}")
     timeout = timedelta(seconds=timeout_s)
-    sockets = connect_mesh(store, rank, world_size, timeout_s, options) if world_size > 1 else {}
-    transport = Transport(rank, world_size, sockets, timeout_s, global_ranks)
-    shm = None
-    if world_size > 1:
-        try:
-            nonce = store.get(NONCE_KEY, timeout=timeout_s).decode()
-            shm = open_shm(store, rank, world_size, timeout_s, options, transport, nonce)
-        except BaseException:
-            transport.close(0.0)
-            raise
-    return TcpBackend(rank, world_size, timeout, transport, options, shm)
+    secret = bytes(secret or b"")
+    if world_size == 1:
+        return TcpBackend(rank, world_size, timeout, Transport(rank, world_size, {}, timeout_s, global_ranks), options,
+                          authenticated=bool(secret))
+    mesh = connect_mesh(store, rank, world_size, timeout_s, options, secret)
+    transport = Transport(rank, world_size, mesh.sockets, timeout_s, global_ranks)
+    try:
+        shm = open_shm(store, rank, world_size, timeout_s, options, transport, mesh.nonce, mesh.key)
+    except BaseException:
+        transport.close(0.0)
+        raise
+    return TcpBackend(rank, world_size, timeout, transport, options, shm, authenticated=bool(secret))

@@ -1,15 +1,18 @@
 """Connection setup: every rank listens, publishes ``tcp/addr/<rank>`` in the group's
 store, then rank i connects to every rank j < i and accepts every rank j > i.
 
-Each connection starts with a :data:`~tdist_tcp.wire.HELLO` from the connector
-(magic, protocol version, the group nonce rank 0 published as ``tcp/nonce``, the
-connector's rank, the world size) answered by the acceptor's own HELLO. A
-connection whose HELLO does not match is closed and the acceptor keeps listening.
-Everything honours one deadline; on timeout the error names the missing ranks.
+Every connection (TCP or Unix-domain) is mutually authenticated before it carries a
+frame: both ends prove they know the group's key (see :mod:`tdist_tcp.auth`), over
+the group nonce rank 0 published as ``tcp/nonce`` and fresh nonces of both ends.
+A connection that fails is closed and the acceptor keeps listening; a connector
+whose peer fails to prove the key, or refuses its proof, raises at once. Everything
+honours one deadline; on timeout the error names the missing ranks (and why
+connections claiming to be them were refused).
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import selectors
 import socket
@@ -17,13 +20,13 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 from tdist._errors import DistBackendTimeoutError, DistNetworkError, DistStoreTimeoutError
 
-from .wire import HELLO, HELLO_MAGIC, PROTOCOL_VERSION
+from .auth import ACCEPTED, HELLO, MAC_SIZE, REFUSED, group_key, mac, make_hello, parse_hello, token_mismatch_hint
 
-__all__ = ["choose_host", "configure_socket", "connect_mesh", "HOST_ENV", "IFNAME_ENV"]
+__all__ = ["choose_host", "configure_socket", "connect_mesh", "Mesh", "HOST_ENV", "IFNAME_ENV"]
 
 HOST_ENV = "TDIST_TCP_HOST"
 IFNAME_ENV = "TDIST_TCP_IFNAME"
@@ -33,6 +36,11 @@ UNIX_KEY = "tcp/unix/{}"
 _AF_UNIX = getattr(socket, "AF_UNIX", -1)
 NONCE_KEY = "tcp/nonce"
 DEFAULT_SOCKET_BUFFER = 4 << 20
+TOKEN_ENV = "TDIST_STORE_TOKEN"  # named in errors: the core derives the factory's secret from it
+#: unauthenticated connections an acceptor holds at once (beyond, the oldest is dropped)
+MAX_PENDING = 64
+#: seconds a connection may take for its whole handshake
+HANDSHAKE_LIMIT = 10.0
 
 
 # ------------------------------------------------------------------ addresses
@@ -123,98 +131,155 @@ def configure_socket(sock: socket.socket, buffer_bytes: int) -> None:
                 pass
 
 
-def _hello(nonce: bytes, rank: int, size: int) -> bytes:
-    return HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, nonce, rank, size)
+class _AuthFailed(Exception):
+    """The other end of a connection failed authentication, or refused ours (never retried)."""
 
 
-def _check_hello(data: bytes, nonce: bytes, size: int) -> Optional[int]:
-    """The sender's rank if ``data`` is a valid HELLO of this group, else None."""
-    if len(data) != HELLO.size:
-        return None
-    magic, version, their_nonce, rank, their_size = HELLO.unpack(data)
-    if magic != HELLO_MAGIC or version != PROTOCOL_VERSION or their_nonce != nonce or their_size != size:
-        return None
-    return rank
+class _Pending:
+    """An accepted connection still in its handshake: reading ``want`` bytes into ``buf``."""
+
+    __slots__ = ("sock", "buf", "want", "limit", "hello_c", "hello_a", "peer", "flags")
+
+    def __init__(self, sock: socket.socket, limit: float) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.want = HELLO.size
+        self.limit = limit
+        self.hello_c = b""
+        self.hello_a = b""
+        self.peer = -1
+        self.flags = 0
 
 
 class _Acceptor(threading.Thread):
     """Accepts the higher ranks' connections until all arrived, the deadline passes or it is stopped.
 
-    Handshakes are read without blocking (a silent or garbage connection is
-    dropped without delaying the others).
+    Handshakes are read without blocking, so a silent, slow or garbage connection is
+    dropped without delaying the others; each must complete within
+    :data:`HANDSHAKE_LIMIT` seconds, and beyond :data:`MAX_PENDING` unfinished ones the
+    oldest is dropped. A rank counts as connected only once it proved the group key.
     """
 
-    def __init__(self, listeners: list[socket.socket], rank: int, size: int, nonce: bytes, deadline: float,
-                 buffer_bytes: int) -> None:
+    def __init__(self, listeners: list[socket.socket], rank: int, size: int, nonce: bytes, key: bytes,
+                 has_token: bool, deadline: float) -> None:
         super().__init__(name=f"tdist-tcp-accept-r{rank}", daemon=True)
         self.listeners = listeners
         self.rank = rank
         self.size = size
         self.nonce = nonce
+        self.key = key
+        self.has_token = has_token
         self.deadline = deadline
-        self.buffer_bytes = buffer_bytes
         self.accepted: dict[int, socket.socket] = {}
         self.refused = 0
+        self.refusals: list[str] = []  # why connections that claimed a wanted rank were refused
         self.error: Optional[BaseException] = None
         self.stop = threading.Event()
+        self._wanted = set(range(rank + 1, size))
+        self._pending: dict[socket.socket, _Pending] = {}
+        self._sel: Any = None
 
     def run(self) -> None:
-        wanted = set(range(self.rank + 1, self.size))
-        pending: dict[socket.socket, tuple[bytearray, float]] = {}
-        sel = selectors.DefaultSelector()
+        sel = self._sel = selectors.DefaultSelector()
         try:
             for listener in self.listeners:
                 listener.setblocking(False)
                 sel.register(listener, selectors.EVENT_READ)
-            while wanted - set(self.accepted) and not self.stop.is_set() and time.monotonic() < self.deadline:
+            while self._wanted - set(self.accepted) and not self.stop.is_set() and time.monotonic() < self.deadline:
                 for key, _ in sel.select(timeout=0.05):
                     sock = key.fileobj
                     if sock in self.listeners:
-                        try:
-                            conn, _addr = sock.accept()
-                        except (BlockingIOError, InterruptedError):
-                            continue
-                        conn.setblocking(False)
-                        pending[conn] = (bytearray(), time.monotonic() + 10.0)
-                        sel.register(conn, selectors.EVENT_READ)
-                        continue
-                    buf, _limit = pending[sock]
-                    try:
-                        chunk = sock.recv(HELLO.size - len(buf))
-                    except (BlockingIOError, InterruptedError):
-                        continue
-                    except OSError:
-                        chunk = b""
-                    if chunk:
-                        buf += chunk
-                        if len(buf) < HELLO.size:
-                            continue
-                    sel.unregister(sock)
-                    del pending[sock]
-                    peer = _check_hello(bytes(buf), self.nonce, self.size) if chunk else None
-                    if peer is None or peer not in wanted or peer in self.accepted:
-                        self.refused += 1
-                        sock.close()
-                        continue
-                    try:
-                        sock.setblocking(True)
-                        configure_socket(sock, 0)
-                        sock.sendall(_hello(self.nonce, self.rank, self.size))
-                    except OSError:
-                        sock.close()
-                        continue
-                    self.accepted[peer] = sock
+                        self._accept(sock)  # type: ignore[arg-type]
+                    else:
+                        self._read(self._pending[sock])  # type: ignore[index]
                 now = time.monotonic()
-                for sock in [s for s, (_, limit) in pending.items() if limit < now]:  # silent connections
-                    sel.unregister(sock)
-                    del pending[sock]
-                    sock.close()
+                for p in [p for p in self._pending.values() if p.limit < now]:  # too slow: dropped
+                    self._drop(p, "it did not complete the handshake in time" if p.peer >= 0 else None)
         except BaseException as exc:  # reported by connect_mesh
             self.error = exc
         finally:
-            for sock in pending:
-                sock.close()
+            for p in list(self._pending.values()):
+                self._drop(p, None)
             sel.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            conn, _addr = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # e.g. out of file descriptors: the connector retries
+            return
+        if len(self._pending) >= MAX_PENDING:
+            self._drop(next(iter(self._pending.values())), None)  # the oldest
+        conn.setblocking(False)
+        p = _Pending(conn, min(self.deadline, time.monotonic() + HANDSHAKE_LIMIT))
+        self._pending[conn] = p
+        self._sel.register(conn, selectors.EVENT_READ)
+
+    def _drop(self, p: _Pending, reason: Optional[str]) -> None:
+        self._pending.pop(p.sock, None)
+        try:
+            self._sel.unregister(p.sock)
+        except (KeyError, ValueError):
+            pass
+        p.sock.close()
+        self.refused += 1
+        if reason and len(self.refusals) < 8:
+            self.refusals.append(f"a connection claiming rank {p.peer}: {reason}")
+
+    def _read(self, p: _Pending) -> None:
+        try:
+            chunk = p.sock.recv(p.want - len(p.buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(p, "it closed the connection during the handshake" if p.peer >= 0 else None)
+            return
+        p.buf += chunk
+        if len(p.buf) < p.want:
+            return
+        if not p.hello_c:
+            self._on_hello(p)
+        else:
+            self._on_proof(p)
+
+    def _on_hello(self, p: _Pending) -> None:
+        """Step 2: answer a valid HELLO with ours and our proof."""
+        hello = parse_hello(bytes(p.buf), self.nonce, self.size)
+        if hello is None or hello.rank not in self._wanted or hello.rank in self.accepted:
+            self._drop(p, None)
+            return
+        p.hello_c, p.peer, p.flags = bytes(p.buf), hello.rank, hello.flags
+        p.hello_a = make_hello(self.nonce, self.rank, self.size, self.has_token)
+        reply = p.hello_a + mac(self.key, b"A", p.hello_c, p.hello_a)
+        try:
+            sent = p.sock.send(reply)
+        except OSError:
+            sent = 0
+        if sent != len(reply):  # a fresh socket's buffer takes 88 bytes: something is wrong
+            self._drop(p, "the answer could not be sent")
+            return
+        p.buf, p.want = bytearray(), MAC_SIZE
+
+    def _on_proof(self, p: _Pending) -> None:
+        """Step 4: check the connector's proof; accept it or tell it that it was refused."""
+        expected = mac(self.key, b"C", p.hello_c, p.hello_a)
+        good = hmac.compare_digest(bytes(p.buf), expected) and p.peer not in self.accepted
+        try:
+            p.sock.send(ACCEPTED if good else REFUSED)
+        except OSError:
+            good = False
+        if not good:
+            why = "its proof of the token is wrong" if p.peer not in self.accepted else "that rank is connected"
+            self._drop(p, f"{why} ({token_mismatch_hint(self.has_token, p.flags)})")
+            return
+        self._pending.pop(p.sock)
+        self._sel.unregister(p.sock)
+        p.sock.setblocking(True)
+        configure_socket(p.sock, 0)
+        self.accepted[p.peer] = p.sock
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -227,18 +292,33 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def _handshake(sock: socket.socket, nonce: bytes, rank: int, size: int, peer: int, deadline: float) -> bool:
-    """Send our HELLO on a connected socket; True if ``peer`` answered with its own."""
-    sock.sendall(_hello(nonce, rank, size))
-    sock.settimeout(max(0.05, deadline - time.monotonic()))
-    reply = _recv_exact(sock, HELLO.size)
-    if _check_hello(reply, nonce, size) == peer:
-        sock.settimeout(None)
-        return True
-    return False
+def _handshake(sock: socket.socket, nonce: bytes, key: bytes, has_token: bool, rank: int, size: int, peer: int,
+               deadline: float) -> bool:
+    """Run the connector's side of the handshake with ``peer``: True once it accepted us,
+    False if the other end is not ``peer`` of this group (retry later); raises
+    :class:`_AuthFailed` if either side's proof fails."""
+    hello_c = make_hello(nonce, rank, size, has_token)
+    sock.settimeout(max(0.05, min(HANDSHAKE_LIMIT, deadline - time.monotonic())))
+    sock.sendall(hello_c)
+    reply = _recv_exact(sock, HELLO.size + MAC_SIZE)
+    hello = parse_hello(reply[:HELLO.size], nonce, size)
+    if len(reply) != HELLO.size + MAC_SIZE or hello is None or hello.rank != peer:
+        return False
+    hello_a = reply[:HELLO.size]
+    sock.sendall(mac(key, b"C", hello_c, hello_a))  # sent even if the peer's proof fails: it then knows why
+    if not hmac.compare_digest(reply[HELLO.size:], mac(key, b"A", hello_c, hello_a)):
+        raise _AuthFailed(f"rank {peer} did not prove it knows this group's key "
+                          f"({token_mismatch_hint(has_token, hello.flags)})")
+    verdict = _recv_exact(sock, 1)
+    if verdict == REFUSED:
+        raise _AuthFailed(f"rank {peer} refused this rank's proof ({token_mismatch_hint(has_token, hello.flags)})")
+    if verdict != ACCEPTED:
+        return False
+    sock.settimeout(None)
+    return True
 
 
-def _connect_unix(store: Any, peer: int, rank: int, size: int, nonce: bytes, deadline: float,
+def _connect_unix(store: Any, peer: int, rank: int, size: int, auth: "_Auth", deadline: float,
                   buffer_bytes: int) -> Optional[socket.socket]:
     """A Unix-domain connection to ``peer`` if it published one and runs on this host
     (its abstract socket name exists only in its kernel's network namespace)."""
@@ -253,20 +333,34 @@ def _connect_unix(store: Any, peer: int, rank: int, size: int, nonce: bytes, dea
         configure_socket(sock, buffer_bytes)
         sock.settimeout(max(0.05, min(2.0, deadline - time.monotonic())))
         sock.connect(name)
-        if _handshake(sock, nonce, rank, size, peer, deadline):
+        if _handshake(sock, auth.nonce, auth.key, auth.has_token, rank, size, peer, deadline):
             return sock
     except OSError:
         pass
+    except BaseException:
+        sock.close()
+        raise
     sock.close()
     return None
 
 
-def _connect_one(store: Any, peer: int, rank: int, size: int, deadline: float, buffer_bytes: int,
+class _Auth(NamedTuple):
+    nonce: bytes
+    key: bytes
+    has_token: bool
+
+
+def _group_auth(store: Any, secret: bytes, timeout: float) -> _Auth:
+    nonce = bytes.fromhex(store.get(NONCE_KEY, timeout=timeout).decode())
+    return _Auth(nonce, group_key(secret, nonce), bool(secret))
+
+
+def _connect_one(store: Any, peer: int, rank: int, size: int, secret: bytes, deadline: float, buffer_bytes: int,
                  use_unix: bool) -> socket.socket:
     """Connect to lower rank ``peer`` and handshake, retrying (re-reading the store, so a
     stale address or nonce is replaced by the fresh one) until ``deadline``. Same-host
     peers are reached through a Unix-domain socket when possible (several times TCP
-    loopback's bandwidth), others through TCP."""
+    loopback's bandwidth), others through TCP. A failed authentication raises at once."""
     last: Optional[str] = None
     addr = "?"
     while True:
@@ -276,33 +370,37 @@ def _connect_one(store: Any, peer: int, rank: int, size: int, deadline: float, b
                 f"tcp backend: rank {rank} could not connect to rank {peer} at {addr} within the timeout: {last} "
                 f"(if that address is wrong, set options['host'], ${HOST_ENV} or ${IFNAME_ENV} on rank {peer})"
             )
+        sock: Optional[socket.socket] = None
         try:
-            nonce = bytes.fromhex(store.get(NONCE_KEY, timeout=remaining).decode())
+            auth = _group_auth(store, secret, remaining)
             raw = store.get(ADDR_KEY.format(peer), timeout=max(0.01, deadline - time.monotonic()))
-            if use_unix:
-                unix = _connect_unix(store, peer, rank, size, nonce, deadline, buffer_bytes)
-                if unix is not None:
-                    return unix
             host, port = _parse_addr(raw)
             addr = _format_addr(host, port)
+            if use_unix:
+                unix = _connect_unix(store, peer, rank, size, auth, deadline, buffer_bytes)
+                if unix is not None:
+                    return unix
             family, socktype, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
             sock = socket.socket(family, socktype, proto)
-        except DistStoreTimeoutError:
-            raise
-        except (OSError, ValueError) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-            time.sleep(0.05)
-            continue
-        try:
             configure_socket(sock, buffer_bytes)
-            sock.settimeout(max(0.05, min(10.0, deadline - time.monotonic())))
+            sock.settimeout(max(0.05, min(HANDSHAKE_LIMIT, deadline - time.monotonic())))
             sock.connect(sockaddr)
-            if _handshake(sock, nonce, rank, size, peer, deadline):
+            if _handshake(sock, auth.nonce, auth.key, auth.has_token, rank, size, peer, deadline):
                 return sock
             last = "handshake refused (wrong group nonce, protocol version or world size)"
-        except OSError as exc:
+        except DistStoreTimeoutError:
+            raise
+        except _AuthFailed as exc:
+            if sock is not None:
+                sock.close()
+            raise DistNetworkError(
+                f"tcp backend: rank {rank} cannot authenticate its connection to rank {peer} at {addr}: {exc}; "
+                f"give every rank the same token (store token= or ${TOKEN_ENV})"
+            ) from None
+        except (OSError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
-        sock.close()
+        if sock is not None:
+            sock.close()
         time.sleep(0.05)
 
 
@@ -318,22 +416,33 @@ def _missing_ranks(store: Any, ranks: list[int]) -> tuple[list[int], list[int]]:
     return absent, present
 
 
-def _timeout_error(rank: int, timeout: float, store: Any, missing: list[int]) -> DistBackendTimeoutError:
+def _timeout_error(rank: int, timeout: float, store: Any, missing: list[int],
+                   refusals: Sequence[str] = ()) -> DistBackendTimeoutError:
     absent, present = _missing_ranks(store, missing)
     parts = []
     if absent:
         parts.append(f"ranks {absent} never arrived (no address published)")
     if present:
         parts.append(f"ranks {present} published an address but did not connect")
+    if refusals:
+        parts.append("refused: " + "; ".join(refusals))
     return DistBackendTimeoutError(
         f"tcp backend: rank {rank} timed out after {timeout:g} s setting up connections: " + "; ".join(parts)
     )
 
 
-def connect_mesh(
-    store: Any, rank: int, size: int, timeout: float, options: Mapping[str, Any]
-) -> dict[int, socket.socket]:
-    """Open one connected socket to every other rank of the group, within ``timeout`` seconds."""
+class Mesh(NamedTuple):
+    """A group's connections: one authenticated socket per peer, the group nonce and key."""
+
+    sockets: dict[int, socket.socket]
+    nonce: bytes
+    key: bytes
+
+
+def connect_mesh(store: Any, rank: int, size: int, timeout: float, options: Mapping[str, Any],
+                 secret: bytes = b"") -> Mesh:
+    """Open one authenticated connection to every other rank of the group, within
+    ``timeout`` seconds; ``secret`` is the factory's (empty: no authentication)."""
     deadline = time.monotonic() + timeout
     buffer_bytes = int(options.get("socket_buffer", DEFAULT_SOCKET_BUFFER))
     host = choose_host(store, options)
@@ -374,12 +483,12 @@ def connect_mesh(
                 listeners.append(unix_listener)
                 store.set(UNIX_KEY.format(rank), unix_name)
         if rank < size - 1:
-            acceptor = _Acceptor(listeners, rank, size, nonce, deadline, buffer_bytes)
+            acceptor = _Acceptor(listeners, rank, size, nonce, group_key(secret, nonce), bool(secret), deadline)
             acceptor.start()
         store.set(ADDR_KEY.format(rank), _format_addr(host, bound_port))
         for peer in range(rank):
             try:
-                connected[peer] = _connect_one(store, peer, rank, size, deadline, buffer_bytes, use_unix)
+                connected[peer] = _connect_one(store, peer, rank, size, secret, deadline, buffer_bytes, use_unix)
             except DistStoreTimeoutError:
                 raise _timeout_error(rank, timeout, store, [p for p in range(rank) if p not in connected]) from None
         if acceptor is not None:
@@ -389,8 +498,8 @@ def connect_mesh(
                 raise DistNetworkError(f"tcp backend: rank {rank} failed accepting connections: {acceptor.error}")
             missing = [p for p in range(rank + 1, size) if p not in connected]
             if missing:
-                raise _timeout_error(rank, timeout, store, missing)
-        return connected
+                raise _timeout_error(rank, timeout, store, missing, acceptor.refusals)
+        return Mesh(connected, nonce, group_key(secret, nonce))
     except BaseException:
         if acceptor is not None:
             acceptor.stop.set()

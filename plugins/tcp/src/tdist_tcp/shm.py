@@ -1,12 +1,15 @@
 """Collectives through shared memory, for a group whose ranks all share one host.
 
-When a group is created, rank 0 creates one segment in ``/dev/shm`` and publishes
-its name (under the group's connection nonce) in the store; the other ranks map it
-and check its nonce; once every rank has answered, the segment is unlinked, so it
-disappears with the last process that maps it, however the processes end. If any
-rank cannot map it (another host, another ``/dev/shm``, ``shm`` disabled by
-``options["shm"]`` or ``$TDIST_TCP_SHM=0``, not Linux on x86-64) the whole group
-keeps to its sockets. Point-to-point traffic always goes through the sockets.
+When a group is created, rank 0 creates one anonymous segment (:mod:`tdist_tcp.segment`:
+a memory file that never has a name in ``/dev/shm``, authenticated with the group's
+key) and publishes where to find it in the store, under the group's connection
+nonce; the other ranks map it and check it. Once every rank has answered, rank 0
+closes its descriptor: the memory then lives exactly as long as the mappings, which
+:meth:`ShmEngine.close` removes at ``destroy_process_group`` and the kernel at exit,
+so nothing is ever left behind. If any rank cannot map it (another host or pid
+namespace, ``shm`` disabled by ``options["shm"]`` or ``$TDIST_TCP_SHM=0``, not Linux
+on x86-64) the whole group keeps to its sockets. Point-to-point traffic always goes
+through the sockets.
 
 The segment holds, per rank, a control block (a step counter, a "sleeping" flag,
 its pid, the descriptors of its current collectives) and two data buffers of
@@ -62,6 +65,7 @@ import numpy as np
 from tdist._errors import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError
 from tdist._reduce_op import ReduceOp
 
+from . import segment
 from .wire import describe
 
 if TYPE_CHECKING:
@@ -71,19 +75,15 @@ if TYPE_CHECKING:
     from .algorithms import Coll
     from .transport import Transport
 
-__all__ = ["ShmEngine", "open_shm", "shm_enabled", "SHM_ENV", "SHM_PREFIX", "DEFAULT_SLOT_BYTES"]
+__all__ = ["ShmEngine", "open_shm", "shm_enabled", "SHM_ENV", "DEFAULT_SLOT_BYTES"]
 
 SHM_ENV = "TDIST_TCP_SHM"
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "tdist-tcp-"
 DEFAULT_SLOT_BYTES = 1 << 20
 DEFAULT_DIRECT_BYTES = 512 << 10  # divided by the group size
 DEFAULT_SPIN_US = 100.0
 DEFAULT_SPIN_US_OVERSUBSCRIBED = 1000.0
 DEFAULT_BLOCK_BYTES = 256 << 10
 
-_MAGIC = b"TDSHM001"
-_HEADER = struct.Struct("<8s16sIIQ")  # magic, nonce, group size, pad, slot bytes
 _CTRL = 256  # control bytes per rank
 _CTR, _FLAG, _PID = 0, 1, 2  # uint32 words of a control block
 _DESC_AT = 64  # two descriptors (by collective parity) from here
@@ -134,12 +134,12 @@ def _flag(value: Any) -> bool:
 
 def shm_enabled(options: Mapping[str, Any]) -> bool:
     """Whether this rank offers shared memory: ``options["shm"]``, else ``$TDIST_TCP_SHM``
-    (default on), and only on Linux x86-64 with a ``/dev/shm``."""
+    (default on), and only on Linux x86-64 with ``memfd_create`` and ``/proc``."""
     if not _flag(options.get("shm", os.environ.get(SHM_ENV, "1"))):
         return False
     if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    return os.path.isdir(SHM_DIR)
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
 # ------------------------------------------------------------------ numeric kernels
@@ -231,48 +231,7 @@ warnings.filterwarnings("ignore", category=RuntimeWarning, module=__name__.repla
 # --------------------------------------------------------------------- the segment
 def _layout(size: int, slot: int) -> tuple[int, int, int]:
     """(control offset, data offset, total bytes) of a segment for ``size`` ranks."""
-    ctrl = 4096
-    data = ctrl + ((size * _CTRL + 4095) // 4096) * 4096
-    return ctrl, data, data + 2 * size * slot
-
-
-def _create(size: int, slot: int, nonce: bytes) -> tuple[str, mmap.mmap]:
-    name = f"{SHM_PREFIX}{os.getpid()}-{os.urandom(8).hex()}"
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        total = _layout(size, slot)[2]
-        os.ftruncate(fd, total)
-        mm = mmap.mmap(fd, total)
-    except BaseException:
-        os.close(fd)
-        _unlink(name)
-        raise
-    os.close(fd)
-    _HEADER.pack_into(mm, 0, _MAGIC, nonce, size, 0, slot)
-    return name, mm
-
-
-def _attach(name: str, size: int, slot: int, nonce: bytes) -> Optional[mmap.mmap]:
-    if "/" in name or not name.startswith(SHM_PREFIX):
-        return None
-    try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-    except OSError:
-        return None
-    try:
-        total = _layout(size, slot)[2]
-        if os.fstat(fd).st_size != total:
-            return None
-        mm = mmap.mmap(fd, total)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if _HEADER.unpack_from(mm, 0) != (_MAGIC, nonce, size, 0, slot):
-        mm.close()
-        return None
-    return mm
+    return segment.layout(size, slot, _CTRL)
 
 
 def _set_pid(mm: mmap.mmap, size: int, slot: int, rank: int) -> None:
@@ -280,63 +239,63 @@ def _set_pid(mm: mmap.mmap, size: int, slot: int, rank: int) -> None:
     struct.pack_into("<I", mm, _layout(size, slot)[0] + rank * _CTRL + 4 * _PID, os.getpid() & _MASK)
 
 
-def _unlink(name: str) -> None:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except OSError:
-        pass
-
-
 def open_shm(store: Any, rank: int, size: int, timeout: float, options: Mapping[str, Any],
-             transport: "Transport", nonce_hex: str) -> Optional["ShmEngine"]:
+             transport: "Transport", nonce: bytes, key: bytes) -> Optional["ShmEngine"]:
     """Set up (or decline, on every rank alike) the group's shared segment.
 
     Keys live under the group's connection nonce, so a re-created group never reads
     a previous incarnation's. Every rank answers ``ok`` or not; the segment is used
-    only if all did, and unlinked by everyone once all have answered. Rank 0's buffer
-    size and one-step threshold (which decide the algorithms) are everybody's.
+    only if all did; rank 0 holds its descriptor until then. Rank 0's buffer size and
+    one-step threshold (which decide the algorithms) are everybody's.
     """
     deadline = time.monotonic() + timeout
     want = shm_enabled(options)
     slot = max(_ALIGN * size * 64, int(options.get("shm_slot_bytes", DEFAULT_SLOT_BYTES)))
     slot = (slot + 4095) // 4096 * 4096
     direct = min(int(options.get("shm_direct_bytes", DEFAULT_DIRECT_BYTES // size)), slot)
-    nonce = bytes.fromhex(nonce_hex)[:16].ljust(16, b"\0")
-    key = f"tcp/shm/{nonce_hex}/"
-    name = ""
+    key_prefix = f"tcp/shm/{nonce.hex()}/"
+    where = ""
+    fd = -1
     mm: Optional[mmap.mmap] = None
     try:
         if rank == 0:
             if want:
                 try:
-                    name, mm = _create(size, slot, nonce)
+                    name, fd, mm = segment.create(_layout(size, slot)[2], size, slot, nonce, key)
+                    where = segment.locator(name, fd)
                     _set_pid(mm, size, slot, rank)
                 except OSError:
-                    name, mm = "", None
-            store.set(key + "name", f"{name}:{slot}:{direct}")
+                    where, mm = "", None
+            store.set(key_prefix + "name", f"{where}|{slot}|{direct}")
         else:
-            raw = store.get(key + "name", timeout=max(0.01, deadline - time.monotonic())).decode()
-            name, their_slot, their_direct = raw.rsplit(":", 2)
+            raw = store.get(key_prefix + "name", timeout=max(0.01, deadline - time.monotonic())).decode()
+            where, their_slot, their_direct = raw.rsplit("|", 2)
             slot, direct = int(their_slot), int(their_direct)
-            if want and name:
-                mm = _attach(name, size, slot, nonce)
+            if want and where:
+                mm = segment.attach(where, _layout(size, slot)[2], size, slot, nonce, key)
             if mm is not None:
                 _set_pid(mm, size, slot, rank)
-            store.set(key + f"ok/{rank}", "1" if mm is not None else "0")
-        keys = [key + f"ok/{r}" for r in range(1, size)]
+            store.set(key_prefix + f"ok/{rank}", "1" if mm is not None else "0")
+        keys = [key_prefix + f"ok/{r}" for r in range(1, size)]
         try:
             store.wait(keys, timeout=max(0.01, deadline - time.monotonic()))
         except DistStoreTimeoutError:
-            missing = [r for r in range(1, size) if not store.check([key + f"ok/{r}"])]
+            missing = [r for r in range(1, size) if not store.check([key_prefix + f"ok/{r}"])]
             raise DistBackendTimeoutError(
                 f"tcp backend: rank {rank} timed out after {timeout:g} s setting up shared memory: "
                 f"ranks {missing} did not answer"
             ) from None
-        verdict = bool(name) and all(store.get(k, timeout=1.0) == b"1" for k in keys)
+        verdict = bool(where) and all(store.get(k, timeout=1.0) == b"1" for k in keys)
+    except BaseException:
+        if mm is not None:
+            mm.close()
+        raise
     finally:
-        if name:
-            _unlink(name)  # everyone has mapped it (or given up): the name is no longer needed
+        if fd >= 0:
+            segment.close_fd(fd)  # everyone has mapped it (or given up): the mappings hold the memory
     if not verdict or mm is None:
+        if mm is not None:
+            mm.close()
         return None
     return ShmEngine(mm, rank, size, slot, transport, options, direct)
 
@@ -434,17 +393,28 @@ class ShmEngine:
 
     def wake(self) -> None:
         """Wake every waiter of this segment (the transport broke or a peer left)."""
-        if self.closed:
+        if self.mm.closed:
             return
         for _q, _i, addr in self._peer_ctr:
             _futex_wake(addr)
         _futex_wake(self._my_addr)
 
     def close(self) -> None:
-        """Forget the segment (it is unmapped once nothing refers to it any more)."""
-        if not self.closed:
-            self.wake()
-            self.closed = True
+        """Unmap the segment and close its descriptor. The caller makes sure no collective
+        runs on it (the backend waits for the one in progress, woken by the broken
+        transport); a view of it still referenced elsewhere leaves it to the garbage
+        collector. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.wake()
+        self._views, self._kernels, self._last_kernel = {}, {}, (None, None, None)
+        self._t8 = self.u8 = self.ctl = None
+        self._peer_ctr, self._peer_flags = [], []
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
 
     # ----------------------------------------------------------------- stepping
     def _put_desc(self, c: "Coll", nbytes: int, root: int = 0) -> tuple:
@@ -509,10 +479,7 @@ class ShmEngine:
         if self.closed:
             raise DistBackendError(f"tcp backend: {tr.me}'s process group was destroyed")
         if time.monotonic() >= c.deadline:
-            raise DistBackendTimeoutError(
-                f"tcp backend: {tr.me} timed out after {tr.timeout:g} s in "
-                f"{describe(c.op, c.redop, c.seq, c.dtype, 0)} (shared memory) waiting for {tr.label(q)}"
-            )
+            raise tr.collective_timeout(c, q, via=" (shared memory)")
 
     def _check(self, c: "Coll", desc: tuple) -> None:
         parity = (c.seq & 1) * 32

@@ -13,16 +13,21 @@ from which the next matching receive copies it.
 - A peer whose connection ends without a BYE frame (crash, reset) breaks the group:
   every pending and later operation raises. A peer that said BYE (destroyed its group)
   only fails the operations that need it.
+- A collective that times out asks every peer which collective it has reached
+  (PROBE/STATE frames, answered by the peers' reader threads) to name the ranks that
+  did not arrive; the ABORT frames that break the group carry that verdict, so every
+  rank raises the same :class:`DistBackendTimeoutError` naming them.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 from tdist._errors import DistBackendError, DistBackendTimeoutError
@@ -33,16 +38,24 @@ from .wire import (
     COLL,
     FRAME_MAGIC,
     HEADER,
+    OP_ACK,
     P2P,
+    PROBE,
+    STATE,
     describe,
     dtype_name,
     pack_header,
+    part_name,
 )
 
-__all__ = ["Transport", "PostedRecv"]
+if TYPE_CHECKING:
+    from .algorithms import Coll
+
+__all__ = ["Transport", "PostedRecv", "FrameTimeout"]
 
 _READ_BUFFER = 64 << 10  # a reader's buffered chunk (headers and small payloads)
 _SMALL_SEND = 16 << 10  # payloads up to this size are sent joined to their header
+_SEND_SLICE = 0.5  # seconds a blocked send waits before it checks the group and its own timeout
 _READ_AHEAD = 8 << 10  # bytes a reader asks for beyond the header it needs
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
@@ -128,6 +141,23 @@ class _Corrupt(Exception):
     pass
 
 
+class FrameTimeout(Exception):
+    """A collective's frame from ``peer`` did not arrive (entirely) before the deadline;
+    the collective turns it into :meth:`Transport.collective_timeout`'s error."""
+
+    def __init__(self, peer: int, op: int, nbytes: int, part: int) -> None:
+        what = "acknowledgement" if op == OP_ACK else f"{nbytes}-byte frame"
+        self.frame = f"its {what}" + (f" ({part_name(part)})" if part else "")
+        super().__init__(self.frame)
+        self.peer = peer
+
+
+def _timeout_error(message: str, missing: Sequence[int]) -> DistBackendTimeoutError:
+    err = DistBackendTimeoutError(message)
+    err.missing_ranks = list(missing)  # type: ignore[attr-defined]  # carried by the ABORT frames
+    return err
+
+
 class Transport:
     """The sockets to every peer of one group and the matching of frames to receives."""
 
@@ -141,13 +171,20 @@ class Transport:
         self._p2p_posted: list[PostedRecv] = []
         self._arrivals = 0
         self.broken: Optional[DistBackendError] = None
+        self._told_peers = False  # ABORT frames sent (once per rank)
         self._closing = False
         self._helpers: list[threading.Thread] = []
         self._break_callbacks: list[Callable[[], None]] = []
         self.peers: list[Optional[_Peer]] = [None] * size
-        sndtimeo = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
+        #: collectives this rank has issued (the backend counts them; peers' probes read it)
+        self.issued = 0
+        self._probe_seq = 0
+        self._probe_replies: dict[int, int] = {}
+        self._probe_cv = threading.Condition(self._lock)
+        slice_s = min(timeout, _SEND_SLICE)
+        sndtimeo = struct.pack("ll", int(slice_s), int((slice_s % 1) * 1e6))
         for peer_rank, sock in sockets.items():
-            try:  # a send blocked this long means the peer stopped draining: give up
+            try:  # a blocked send returns after this long (see _push)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, sndtimeo)
             except (OSError, OverflowError):
                 pass
@@ -170,8 +207,9 @@ class Transport:
         return self.label(self.rank)
 
     # ---------------------------------------------------------------- sending
-    def send(self, dst: int, header: bytes, payload: memoryview) -> None:
-        """Send one frame to ``dst`` (frames to one peer never interleave)."""
+    def send(self, dst: int, header: bytes, payload: memoryview, coll: Optional["Coll"] = None) -> None:
+        """Send one frame to ``dst`` (frames to one peer never interleave); ``coll``: the
+        collective it belongs to (named if the send times out)."""
         peer = self.peers[dst]
         if self.broken is not None:
             raise self.broken
@@ -184,19 +222,49 @@ class Transport:
             with peer.send_lock:
                 sock = peer.sock
                 if n <= _SMALL_SEND:
-                    sock.sendall(header + payload if n else header)
+                    data = header + payload if n else header
+                    try:
+                        sent = sock.send(data)
+                    except (BlockingIOError, InterruptedError):  # nothing sent within SO_SNDTIMEO
+                        sent = 0
+                    if sent < len(data):
+                        self._push(sock, memoryview(data)[sent:], b"")
                 else:
-                    total = len(header) + n
-                    sent = sock.sendmsg([header, payload])
-                    if sent < total:
-                        if sent < len(header):
-                            sock.sendall(header[sent:])
-                            sent = len(header)
-                        sock.sendall(payload[sent - len(header):])
+                    try:
+                        sent = sock.sendmsg([header, payload])
+                    except (BlockingIOError, InterruptedError):
+                        sent = 0
+                    if sent < len(header) + n:
+                        self._push(sock, memoryview(header)[sent:] if sent < len(header) else b"",
+                                   payload[max(0, sent - len(header)):])
         except OSError as exc:
-            raise self._send_failed(peer, exc) from None
+            raise self._send_failed(peer, exc, coll) from None
 
-    def _send_failed(self, peer: _Peer, exc: OSError) -> DistBackendError:
+    def _push(self, sock: socket.socket, first: Any, rest: Any) -> None:
+        """Send the rest of a frame (with the peer's send lock held). Each blocked call
+        returns after SO_SNDTIMEO (a fraction of a second), so a group broken meanwhile
+        ends the wait at once, and a peer that took nothing for the group's timeout
+        raises ``socket.timeout``."""
+        parts = [memoryview(p) for p in (first, rest) if len(p)]
+        stalled = 0.0
+        while parts:
+            try:
+                sent = sock.sendmsg(parts)
+            except (BlockingIOError, InterruptedError):  # no progress for one SO_SNDTIMEO
+                stalled += min(self.timeout, _SEND_SLICE)
+                if self.broken is not None or stalled >= self.timeout:
+                    raise socket.timeout("send timed out") from None
+                continue
+            stalled = 0.0
+            while sent and parts:
+                if sent >= len(parts[0]):
+                    sent -= len(parts[0])
+                    parts.pop(0)
+                else:
+                    parts[0] = parts[0][sent:]
+                    sent = 0
+
+    def _send_failed(self, peer: _Peer, exc: OSError, coll: Optional["Coll"] = None) -> DistBackendError:
         if self.broken is not None:
             return self.broken
         if peer.closed is not None:
@@ -206,10 +274,15 @@ class Transport:
                 f"tcp backend: {peer.label} has shut down its process group; {self.me} cannot communicate with it"
             )
         if isinstance(exc, (BlockingIOError, socket.timeout)):
-            err: DistBackendError = DistBackendTimeoutError(
-                f"tcp backend: {self.me} timed out after {self.timeout:g} s sending to {peer.label} "
-                "(it stopped reading its connection)"
-            )
+            with self._lock:  # a frame was cut short: nothing more may be sent on this connection
+                if peer.closed is None:
+                    peer.closed = f"tcp backend: {peer.label} stopped reading its connection from {self.me}"
+            if coll is not None:
+                err: DistBackendError = self.collective_timeout(coll, peer.rank,
+                                                                f"sending to {peer.label}, which stopped reading")
+            else:
+                err = _timeout_error(f"tcp backend: {self.me} timed out after {self.timeout:g} s sending to "
+                                     f"{peer.label} (it stopped reading its connection)", [peer.rank])
         else:
             err = DistBackendError(
                 f"tcp backend: {self.me} lost its connection to {peer.label} while sending "
@@ -248,18 +321,14 @@ class Transport:
         return pr
 
     def _take_stashed(self, pr: PostedRecv, stashed: _Stashed, peer: _Peer, deadline: float) -> None:
-        """Wait until a stashed frame is fully read (it usually is)."""
+        """Wait until a stashed frame is fully read (it usually is); :class:`FrameTimeout` if not in time."""
         if not stashed.ready.acquire(True, max(0.0, deadline - time.monotonic())):
-            raise DistBackendTimeoutError(
-                f"tcp backend: {self.me} timed out after {self.timeout:g} s receiving "
-                f"{describe(stashed.op, stashed.redop, stashed.seq, stashed.dtype, stashed.nbytes, part=stashed.tag)} "
-                f"from {peer.label}"
-            )
+            raise FrameTimeout(peer.rank, stashed.op, stashed.nbytes, stashed.tag)
         if stashed.error is not None:
             raise stashed.error
 
     def wait_coll(self, pr: PostedRecv, deadline: float) -> None:
-        """Wait for a posted collective receive; raise its error or a timeout naming the peer."""
+        """Wait for a posted collective receive; raise its error, or :class:`FrameTimeout`."""
         if pr.done.acquire(True, max(0.0, deadline - time.monotonic())):
             if pr.error is not None:
                 raise pr.error
@@ -270,10 +339,57 @@ class Transport:
                 peer.coll_posted.remove(pr)
             except ValueError:
                 pass
-        raise DistBackendTimeoutError(
-            f"tcp backend: {self.me} timed out after {self.timeout:g} s in "
-            f"{describe(pr.op, pr.redop, pr.seq, pr.dtype, pr.nbytes, part=pr.tag)} waiting for {peer.label}"
-        )
+        raise FrameTimeout(peer.rank, pr.op, pr.nbytes, pr.tag)
+
+    # --------------------------------------------------------------- timeouts
+    def collective_timeout(self, c: "Coll", waited_for: int, detail: str = "",
+                           via: str = "") -> DistBackendTimeoutError:
+        """The error of collective ``c`` that timed out on ``waited_for`` (``detail``: how),
+        naming the ranks that did not arrive at it (asked with :meth:`probe`)."""
+        missing, silent = self.probe(c.seq, min(2.0, max(0.5, self.timeout / 2)))
+        what = describe(c.op, c.redop, c.seq, c.dtype, c.nbytes)
+        head = f"tcp backend: {self.me} timed out after {self.timeout:g} s in {what}{via}"
+        if missing:
+            parts = []
+            for q in missing:
+                why = "no answer: stopped, hung or overloaded" if q in silent else "it has not started it"
+                parts.append(f"{self.label(q)} ({why})")
+            names = ", ".join(parts)
+            verdict = f"{names} did not arrive" if len(missing) == 1 else f"ranks {names} did not arrive"
+        else:  # everyone has started it: the one waited for is stuck behind something else
+            verdict = f"every rank has started it; {self.label(waited_for)} did not send its part"
+        detail = f" ({detail})" if detail else ""
+        return _timeout_error(f"{head}: {verdict}{detail}", missing or [waited_for])
+
+    def probe(self, seq: int, wait: float) -> tuple[list[int], set[int]]:
+        """Ask every reachable peer how many collectives it has issued; return (the ranks
+        that have not issued collective ``seq``, those of them that did not answer within ``wait``)."""
+        with self._lock:
+            self._probe_seq += 1
+            token = self._probe_seq
+            self._probe_replies = {}
+        frame = pack_header(PROBE, 0, 0, 0, 0, token, 0)
+        asked = [p for p in self.peers if p is not None and p.closed is None and _send_control(p, frame, 0.5)]
+        deadline = time.monotonic() + wait
+        with self._probe_cv:
+            while len(self._probe_replies) < len(asked) and self._probe_seq == token:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._probe_cv.wait(left)
+            replies = dict(self._probe_replies) if self._probe_seq == token else {}
+        silent = {p.rank for p in self.peers if p is not None and p.rank not in replies}
+        missing = sorted(q for q in range(self.size) if q in silent or (q in replies and replies[q] < seq))
+        return missing, silent
+
+    def _on_probe(self, peer: _Peer, token: int) -> None:
+        _send_control(peer, pack_header(STATE, 0, 0, 0, self.issued, token, 0), 1.0)
+
+    def _on_state(self, peer: _Peer, token: int, issued: int) -> None:
+        with self._probe_cv:
+            if token == self._probe_seq:
+                self._probe_replies[peer.rank] = issued
+                self._probe_cv.notify_all()
 
     def _mismatch(self, pr: PostedRecv, peer: _Peer, op: int, redop: int, seq: int, dtype: int,
                   nbytes: int, part: int) -> DistBackendError:
@@ -321,6 +437,11 @@ class Transport:
             self._take_stashed(pr, stashed, peer, deadline)
         except DistBackendError as exc:
             pr.finish(exc)
+            return pr
+        except FrameTimeout as exc:
+            pr.finish(_timeout_error(f"tcp backend: {self.me} timed out after {self.timeout:g} s receiving "
+                                     f"a p2p message (tag {pr.tag}) from {peer.label}: {exc.frame} stopped "
+                                     "arriving", [peer.rank]))
             return pr
         pr.source = peer.rank
         if stashed.dtype != dtype or stashed.nbytes != pr.nbytes:
@@ -372,6 +493,16 @@ class Transport:
                     target, current = self._on_coll(peer, op, redop, seq, dtype, nbytes, shape, tag)
                 elif kind == P2P:
                     target, current = self._on_p2p(peer, tag, dtype, seq, nbytes, shape)
+                elif kind == PROBE:  # answered from this thread: a busy or blocked rank still answers
+                    if nbytes:
+                        raise _Corrupt(f"{nbytes}-byte probe")
+                    self._on_probe(peer, seq)
+                    target, current = None, None
+                elif kind == STATE:
+                    if nbytes:
+                        raise _Corrupt(f"{nbytes}-byte state frame")
+                    self._on_state(peer, seq, tag)
+                    target, current = None, None
                 elif kind == ABORT or kind == BYE:
                     if nbytes > (1 << 20):
                         raise _Corrupt(f"{nbytes}-byte control frame")
@@ -401,8 +532,7 @@ class Transport:
                         done.source = peer.rank
                     done.finish()
                 elif kind == ABORT:
-                    reason = bytes(target).decode("utf-8", "replace")
-                    self.fail(DistBackendError(f"tcp backend: {peer.label} aborted the group: {reason}"), notify=False)
+                    self.fail(self._abort_error(peer, bytes(target)), notify=False)
                 elif kind == BYE:
                     peer.said_bye = True
         except _EOF:
@@ -482,28 +612,55 @@ class Transport:
                 pass
 
     def fail(self, err: DistBackendError, notify: bool = True) -> None:
-        """Break the group: every pending and later operation raises ``err``.
-        With ``notify``, ABORT frames tell the peers (so they raise instead of waiting)."""
+        """Break the group: every pending and later operation raises the first error.
+        With ``notify``, ABORT frames carrying ``err`` tell the peers (so they raise instead
+        of waiting); each rank sends them once, also when an ABORT broke its group first
+        and one of its own operations then fails (so a peer that the first rank could not
+        reach still hears of it)."""
         with self._lock:
-            if self.broken is not None:
-                return
-            self.broken = err
-            pending: list[Any] = list(self._p2p_posted)
-            self._p2p_posted.clear()
-            for peer in self.peers:
-                if peer is not None:
-                    pending.extend(peer.coll_posted)
-                    peer.coll_posted.clear()
-        for pr in pending:
-            pr.finish(err)
-        self._notify_break()
-        if notify and not self._closing:
-            helper = threading.Thread(target=self._send_aborts, args=(str(err),), name="tdist-tcp-abort", daemon=True)
+            first = self.broken is None
+            if first:
+                self.broken = err
+                pending: list[Any] = list(self._p2p_posted)
+                self._p2p_posted.clear()
+                for peer in self.peers:
+                    if peer is not None:
+                        pending.extend(peer.coll_posted)
+                        peer.coll_posted.clear()
+            tell = notify and not self._closing and not self._told_peers
+            if tell:
+                self._told_peers = True
+        if first:
+            for pr in pending:
+                pr.finish(err)
+            self._notify_break()
+        if tell:
+            reason = getattr(err, "abort_reason", None) or str(err)  # relay the origin's words, not nested
+            payload = json.dumps({"reason": reason[:4000], "timeout": isinstance(err, DistBackendTimeoutError),
+                                  "missing": list(getattr(err, "missing_ranks", []))}).encode()
+            helper = threading.Thread(target=self._send_aborts, args=(payload,), name="tdist-tcp-abort", daemon=True)
             self._helpers.append(helper)
             helper.start()
 
-    def _send_aborts(self, reason: str) -> None:
-        payload = reason.encode()[:4000]
+    def _abort_error(self, peer: _Peer, payload: bytes) -> DistBackendError:
+        """The error an ABORT frame from ``peer`` breaks this rank's group with: a
+        :class:`DistBackendTimeoutError` naming the missing ranks if the abort is a timeout's."""
+        try:
+            info = json.loads(payload.decode("utf-8", "replace"))
+            reason = str(info["reason"])
+            missing = [int(q) for q in info.get("missing", ()) if 0 <= int(q) < self.size]
+            timed_out = bool(info.get("timeout"))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            reason, missing, timed_out = payload.decode("utf-8", "replace"), [], False
+        if timed_out:
+            err: DistBackendError = _timeout_error(
+                f"tcp backend: {peer.label} aborted {self.me}'s group after a timeout: {reason}", missing)
+        else:
+            err = DistBackendError(f"tcp backend: {peer.label} aborted the group: {reason}")
+        err.abort_reason = reason  # type: ignore[attr-defined]
+        return err
+
+    def _send_aborts(self, payload: bytes) -> None:
         frame = pack_header(ABORT, 0, 0, 0, 0, 0, len(payload)) + payload
         for peer in self.peers:
             if peer is not None and peer.closed is None:

@@ -5,7 +5,7 @@ Every message is one *frame*: a fixed :data:`HEADER` followed by ``ndim`` int64
 shape entries and ``nbytes`` raw bytes (a tensor's memory as it is, never pickle).
 
 Header fields (little endian): magic, kind (:data:`COLL`, :data:`P2P`, :data:`ABORT`,
-:data:`BYE`), operation code, reduce-op code, dtype code, ndim, tag (P2P), sequence
+:data:`BYE`, :data:`PROBE`, :data:`STATE`), operation code, reduce-op code, dtype code, ndim, tag (P2P), sequence
 number (the group's collective counter, or the per-pair P2P counter) and payload size.
 """
 
@@ -19,23 +19,24 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "FRAME_MAGIC", "HEADER", "HELLO", "HELLO_MAGIC", "PROTOCOL_VERSION",
-    "COLL", "P2P", "ABORT", "BYE", "KIND_NAMES",
+    "FRAME_MAGIC", "HEADER", "HELLO_MAGIC", "PROTOCOL_VERSION",
+    "COLL", "P2P", "ABORT", "BYE", "PROBE", "STATE", "KIND_NAMES",
     "OP_NAMES", "OP_CODES", "OP_ACK", "PART_FOLD", "PART_UNFOLD", "REDOP_NAMES", "redop_code",
-    "dtype_code", "dtype_name", "pack_header", "byte_view", "describe",
+    "dtype_code", "dtype_name", "pack_header", "byte_view", "describe", "part_name",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: mutually authenticated handshake (tdist_tcp.auth)
 FRAME_MAGIC = 0x46544454  # b"TDTF" little endian
 #: magic, kind, op, redop, dtype, ndim, (3 pad), tag (P2P tag; for collectives the
 #: algorithm's part number: step << 32 | segment), seq, nbytes
 HEADER = struct.Struct("<IBBBBB3xqqQ")
-#: magic, protocol version, group nonce, sender's group rank, world size
-HELLO = struct.Struct("<8sI16sII")
-HELLO_MAGIC = b"TDISTTCP"
+HELLO_MAGIC = b"TDISTTCP"  # starts every connection's handshake (tdist_tcp.auth.HELLO)
 
-COLL, P2P, ABORT, BYE = 1, 2, 3, 4
-KIND_NAMES = {COLL: "collective", P2P: "p2p", ABORT: "abort", BYE: "bye"}
+#: ABORT's payload is JSON: {"reason": str, "timeout": bool, "missing": [group ranks]};
+#: PROBE asks a peer which collective it has reached (``seq``: the probe's number) and
+#: STATE answers it (``seq``: that number, ``tag``: the collectives it has issued)
+COLL, P2P, ABORT, BYE, PROBE, STATE = 1, 2, 3, 4, 5, 6
+KIND_NAMES = {COLL: "collective", P2P: "p2p", ABORT: "abort", BYE: "bye", PROBE: "probe", STATE: "state"}
 
 OP_NAMES = (
     "?", "send", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
@@ -141,6 +142,13 @@ def byte_view(flat: "torch.Tensor") -> memoryview:
     return memoryview(array).cast("B")
 
 
+def part_name(part: int) -> str:
+    """An algorithm's part number in words: ``step 1 part 3``, ``fold``, ``unfold``."""
+    if part in (PART_FOLD, PART_UNFOLD):
+        return "fold" if part == PART_FOLD else "unfold"
+    return f"step {part >> 32} part {part & 0xFFFFFFFF}"
+
+
 def describe(op: int, redop: int, seq: int, dtype: int, nbytes: int, kind: int = COLL, tag: int = 0,
              part: int = 0) -> str:
     """Human-readable frame identity, e.g. ``all_reduce(SUM)#7 float32 x 16 bytes``
@@ -149,10 +157,7 @@ def describe(op: int, redop: int, seq: int, dtype: int, nbytes: int, kind: int =
         return f"p2p message (tag {tag}) {dtype_name(dtype)} x {nbytes} bytes"
     if kind != COLL:
         return f"{KIND_NAMES.get(kind, f'kind {kind}')} frame"
-    if part in (PART_FOLD, PART_UNFOLD):
-        where = "[fold]" if part == PART_FOLD else "[unfold]"
-    else:
-        where = f"[step {part >> 32} part {part & 0xFFFFFFFF}]" if part else ""
+    where = f"[{part_name(part)}]" if part else ""
     if op == OP_ACK:
         return f"acknowledgement#{seq}{where} (of this rank's frames)"
     name = OP_NAMES[op] if 0 <= op < len(OP_NAMES) else f"op#{op}"
