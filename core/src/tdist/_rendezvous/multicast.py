@@ -48,6 +48,8 @@ __all__ = ["multicast_rendezvous", "assign_ranks", "Peer", "EXPIRY"]
 #: Seconds after which a process that stopped announcing itself no longer counts.
 EXPIRY = 3.0
 FIRST_DELAY, LONGEST_DELAY = 0.01, 0.25
+#: Seconds between two looks at the processes found (at once when a new one is heard).
+REVIEW_PERIOD = 0.05
 _CLAIMED = b"+"
 
 
@@ -156,8 +158,8 @@ class _Rendezvous:
 
     # ------------------------------------------------------------------ the protocol
     def run(self) -> Tuple[Store, int, int]:
-        announce_at, delay = time.monotonic(), FIRST_DELAY
         announcement = Datagram(ANNOUNCE, self.me, self.world_size, self.rank, text=self.hostname)
+        announce_at, delay, review_at = time.monotonic(), FIRST_DELAY, 0.0
         while True:
             now = time.monotonic()
             if now >= self.deadline:
@@ -169,8 +171,12 @@ class _Rendezvous:
             got = self.receive(min(announce_at, self.deadline))
             if got is not None and got[0].kind == OFFER and got[0].recipient == self.me:
                 return self._accept(*got)
-            if len(self.peers) > known:  # someone new: let it hear everyone soon
-                announce_at, delay = time.monotonic(), FIRST_DELAY
+            now = time.monotonic()
+            if len(self.peers) > known:  # someone new: let it hear everyone soon, and see if the job is complete
+                announce_at, delay, review_at = now, FIRST_DELAY, now
+            if now < review_at:
+                continue
+            review_at = now + REVIEW_PERIOD  # also when nobody is new: processes expire, problems last
             live = self.live()
             if self._check_problems(live) or len(live) != self.world_size or self.me not in self.peers:
                 continue
@@ -198,7 +204,7 @@ class _Rendezvous:
                         f"{self.world_size}: give every process of a job the same world_size, and different jobs "
                         "different group names")
         claims: Dict[int, list] = {}
-        for peer in live:
+        for peer in sorted(live, key=lambda p: (_address_key(p.address), p.id)):
             if peer.rank >= 0:
                 claims.setdefault(peer.rank, []).append(peer)
         for rank, claimants in sorted(claims.items()):
@@ -224,8 +230,10 @@ class _Rendezvous:
         try:
             claimed = self.me.hex().encode() + _CLAIMED
             if store.compare_set(_slot(offer.rank), self.me.hex(), claimed) != claimed:
-                raise DistStoreError(f"{self.where}: rank {offer.rank} went to another process before this one could "
-                                     "claim it (this process stopped announcing itself for too long)")
+                raise DistStoreError(f"{self.where}: the store at {host}:{offer.port} offered rank {offer.rank} but "
+                                     "gave it to another process before this one could claim it (this process "
+                                     "stopped announcing itself for too long, or, without a token, someone else "
+                                     "answered for the job: set TDIST_STORE_TOKEN)")
             store.set_timeout(timedelta(seconds=self.timeout))
         except BaseException:
             store.close()
@@ -234,9 +242,8 @@ class _Rendezvous:
 
     def _lead(self, members: list, ranks: Dict[bytes, int]) -> Tuple[Store, int, int]:
         """Host the job's store, offer every other member its rank there, return once all have claimed it."""
-        own = self.peers[self.me].address
-        store = TCPStore(_bindable(own), 0, is_master=True, timeout=timedelta(seconds=self.timeout),
-                         wait_for_workers=False)
+        own = _bindable(self.peers[self.me].address)
+        store = TCPStore(own, 0, is_master=True, timeout=timedelta(seconds=self.timeout), wait_for_workers=False)
         try:
             by_rank = {rank: member for member, rank in ranks.items()}
             store.multi_set([_slot(r) for r in by_rank], [m.hex() for m in by_rank.values()])
@@ -247,7 +254,7 @@ class _Rendezvous:
             def offer(rank: int) -> None:
                 self.send(Datagram(OFFER, self.me, self.world_size, rank, pending[rank], store.port, address))
 
-            offer_at, delay = time.monotonic(), FIRST_DELAY
+            offer_at, delay, review_at = time.monotonic(), FIRST_DELAY, time.monotonic() + FIRST_DELAY
             while pending:
                 now = time.monotonic()
                 if now >= self.deadline:
@@ -256,13 +263,15 @@ class _Rendezvous:
                     for rank in pending:
                         offer(rank)
                     offer_at, delay = now + delay, min(delay * 2, LONGEST_DELAY)
-                got = self.receive(min(offer_at, self.deadline, now + 0.05))
+                got = self.receive(min(offer_at, self.deadline, review_at))
                 if got is not None and got[0].kind == ANNOUNCE:
                     rank = self._place(got[0], pending, store)
                     if rank is not None:
                         offer(rank)
-                claims = store.multi_get([_slot(r) for r in pending])
-                pending = {r: m for (r, m), value in zip(pending.items(), claims) if not value.endswith(_CLAIMED)}
+                if time.monotonic() >= review_at:
+                    review_at = time.monotonic() + FIRST_DELAY
+                    claims = store.multi_get([_slot(r) for r in pending])
+                    pending = {r: m for (r, m), value in zip(pending.items(), claims) if not value.endswith(_CLAIMED)}
         except BaseException:
             store.close()
             raise

@@ -2,7 +2,9 @@
 
 Every datagram: ``MAGIC | version (u8) | kind (u8) | authenticated (u8) | job tag (16) |
 sender (16) | world size (u32) | rank (i32) | recipient (16) | port (u16) | text length (u8) |
-text`` and, when authenticated, ``HMAC-SHA256(token, LABEL | everything before)``.
+text`` and, when authenticated, ``HMAC-SHA256(key, everything before)``, where ``key`` is
+derived from the token for this purpose alone (``HMAC-SHA256(token, LABEL)``): no MAC a
+datagram carries can stand in for a proof in the store's handshake.
 
 - ``ANNOUNCE``: a process looking for its job; ``rank`` is its given rank (-1: none), ``text``
   its host name (for error messages); ``recipient`` and ``port`` are zero.
@@ -32,7 +34,7 @@ VERSION = 1
 ANNOUNCE, OFFER = 1, 2
 ID_BYTES = 16
 MAC_BYTES = 32
-_LABEL = b"tdist-multicast-rendezvous/1"
+_LABEL = b"tdist multicast rendezvous key v1\0"
 _HEAD = struct.Struct(f"!4sBBB{ID_BYTES}s{ID_BYTES}sIi{ID_BYTES}sHB")
 MAX_TEXT = 255
 
@@ -63,7 +65,8 @@ def job_tag(group_name: str) -> bytes:
 
 
 def _mac(token: bytes, body: bytes) -> bytes:
-    return hmac.new(token, _LABEL + body, hashlib.sha256).digest()
+    key = hmac.new(token, _LABEL, hashlib.sha256).digest()
+    return hmac.new(key, body, hashlib.sha256).digest()
 
 
 def pack(datagram: Datagram, tag: bytes, token: bytes) -> bytes:
