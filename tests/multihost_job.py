@@ -23,6 +23,8 @@ all_reduces, printing ``step i`` after each (the test kills a host in the middle
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import os
 import socket
@@ -45,14 +47,11 @@ def link_bytes(ifname: str = "eth0") -> tuple[int, int]:
 
 def udp_sockets_on(port: int) -> int:
     """How many UDP sockets of this process are bound to ``port``."""
-    mine = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            mine.add(target[8:-1])
+    links = set()
+    for fd in glob.glob("/proc/self/fd/*"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            links.add(os.readlink(fd))
+    mine = {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
     count = 0
     for table in ("/proc/net/udp", "/proc/net/udp6"):
         with open(table) as f:

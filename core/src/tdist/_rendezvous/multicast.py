@@ -169,7 +169,7 @@ class _Rendezvous:
                 announce_at, delay = now + delay, min(delay * 2, LONGEST_DELAY)
             known = len(self.peers)
             got = self.receive(min(announce_at, self.deadline))
-            if got is not None and got[0].kind == OFFER and got[0].recipient == self.me:
+            if got is not None and self._for_me(got[0]):
                 return self._accept(*got)
             now = time.monotonic()
             if len(self.peers) > known:  # someone new: let it hear everyone soon, and see if the job is complete
@@ -182,7 +182,10 @@ class _Rendezvous:
                 continue
             ranks = assign_ranks(live, self.world_size)
             if ranks.get(self.me) == 0:
-                return self._lead(live, ranks)
+                return self._lead(ranks, announcement)
+
+    def _for_me(self, datagram: Datagram) -> bool:
+        return datagram.kind == OFFER and datagram.recipient == self.me and datagram.world_size == self.world_size
 
     def _check_problems(self, live: list) -> bool:
         """Whether the processes found cannot form the job now; raises once that has lasted EXPIRY seconds."""
@@ -240,8 +243,9 @@ class _Rendezvous:
             raise
         return store, offer.rank, self.world_size
 
-    def _lead(self, members: list, ranks: Dict[bytes, int]) -> Tuple[Store, int, int]:
-        """Host the job's store, offer every other member its rank there, return once all have claimed it."""
+    def _lead(self, ranks: Dict[bytes, int], announcement: Datagram) -> Tuple[Store, int, int]:
+        """Host the job's store, offer every other member its rank there, return once all have
+        claimed it. Keeps announcing itself meanwhile, so that it stays in everyone's count."""
         own = _bindable(self.peers[self.me].address)
         store = TCPStore(own, 0, is_master=True, timeout=timedelta(seconds=self.timeout), wait_for_workers=False)
         try:
@@ -250,6 +254,7 @@ class _Rendezvous:
             store.compare_set(_slot(0), self.me.hex(), self.me.hex().encode() + _CLAIMED)
             address = own.partition("%")[0]
             pending = {r: m for r, m in by_rank.items() if r != 0}
+            counted = set(ranks)  # every process given a rank (also those that have claimed it)
 
             def offer(rank: int) -> None:
                 self.send(Datagram(OFFER, self.me, self.world_size, rank, pending[rank], store.port, address))
@@ -260,12 +265,13 @@ class _Rendezvous:
                 if now >= self.deadline:
                     raise self._unclaimed_error(pending)
                 if now >= offer_at:
+                    self.send(announcement)
                     for rank in pending:
                         offer(rank)
                     offer_at, delay = now + delay, min(delay * 2, LONGEST_DELAY)
                 got = self.receive(min(offer_at, self.deadline, review_at))
                 if got is not None and got[0].kind == ANNOUNCE:
-                    rank = self._place(got[0], pending, store)
+                    rank = self._place(got[0], pending, counted, store)
                     if rank is not None:
                         offer(rank)
                 if time.monotonic() >= review_at:
@@ -277,13 +283,13 @@ class _Rendezvous:
             raise
         return store, 0, self.world_size
 
-    def _place(self, announce: Datagram, pending: Dict[int, bytes], store: Store) -> Optional[int]:
+    def _place(self, announce: Datagram, pending: Dict[int, bytes], counted: set, store: Store) -> Optional[int]:
         """The rank to offer the process that announced itself (still waiting for its offer, or
         taking the place of a pending member that went silent); None for nobody."""
         for rank, member in pending.items():
             if member == announce.sender:
                 return rank
-        if announce.world_size != self.world_size:
+        if announce.sender in counted or announce.world_size != self.world_size:
             return None
         now = time.monotonic()
         for rank, member in pending.items():
@@ -291,6 +297,7 @@ class _Rendezvous:
             if gone and announce.rank in (-1, rank):
                 if store.compare_set(_slot(rank), member.hex(), announce.sender.hex()) == announce.sender.hex().encode():
                     pending[rank] = announce.sender
+                    counted.add(announce.sender)
                     return rank
         return None
 
@@ -299,9 +306,12 @@ class _Rendezvous:
         live = self.live()
         text = (f"{self.where}: found {len(live)} of {self.world_size} processes within {self.timeout:g} s"
                 + (f" ({_hosts(live)})" if live else ""))
+        problem = self._problem(live)
         if self.me not in self.peers:
             text += (". This process never heard its own datagrams: multicast does not reach this host's own "
                      "sockets on this interface. " + no_multicast_hint(self.options))
+        elif problem is not None:
+            text += f"; {problem}"
         elif len(live) < self.world_size:
             text += (". Are the other processes started, with the same address, group_name and world_size?")
             own = self.peers[self.me].address
