@@ -82,12 +82,12 @@ def _set_up_ipv4(sock: socket.socket, options: MulticastOptions) -> None:
         index = 0
     except ValueError:  # an interface name (or none: the system's choice)
         address, index = socket.inet_aton("0.0.0.0"), _interface_index(options)
-    interface = address + struct.pack("@i", index)  # struct ip_mreqn: Linux, and what it accepts as ip_mreq
-    sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, group + interface)
+    mreqn = group + address + struct.pack("@i", index)  # struct ip_mreqn (Linux; others read its ip_mreq head)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreqn)
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, options.ttl)
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
     if options.interface:
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, interface)
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, mreqn)
 
 
 def _set_up_ipv6(sock: socket.socket, options: MulticastOptions) -> None:
