@@ -1,4 +1,4 @@
-"""A job for tests/test_multihost.py, run on the hosts of a simulated cluster
+"""A job for tests/test_multihost.py and tests/test_multicast_rendezvous.py, run on the hosts of a simulated cluster
 (``tdist.testing.cluster``) the way a user runs a torch.distributed program.
 
     python multihost_job.py --backend tcp [--init-method URL ...] [--size BYTES] [--steps K] [--hold]
@@ -17,7 +17,9 @@ destroys the group. The checks, on every rank:
   bound to the init method's port (a multicast ``tcp://`` rendezvous must close its own).
 
 Prints one line ``RESULT {json}`` per init method. With ``--steps K``, it then runs K more
-all_reduces, printing ``step i`` after each (the test kills a host in the middle).
+all_reduces, printing ``step i`` after each (the test kills a host in the middle). With
+``--hold`` it waits for a line on stdin before its first init (a process the test starts
+ready, then lets in late).
 """
 
 from __future__ import annotations
@@ -70,15 +72,15 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=4 << 20)
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=30.0)
-    parser.add_argument("--hold", action="store_true", help="load torch, then wait for a line on stdin to start")
+    parser.add_argument("--hold", action="store_true", help="wait for a line on stdin to start")
     args = parser.parse_args()
+
+    import torch
+
+    import tdist as dist
+
     if args.hold:
-        import torch  # noqa: F401
-
         sys.stdin.readline()
-
-    import tdist as dist  # torch only once a group exists (in check): a failed rendezvous fails fast
-
     for i, init_method in enumerate(args.init_method or [None]):
         if i:
             dist.destroy_process_group()
@@ -91,10 +93,7 @@ def main() -> int:
         check(dist, args.backend, init_method, args.size,
               init_seconds=init_seconds, udp_open=udp_sockets_on(port) if port else 0)
 
-    if args.steps:
-        import torch
-
-        small = torch.ones(16)
+    small = torch.ones(16)
     for step in range(args.steps):
         dist.all_reduce(small)
         print(f"step {step}", flush=True)
