@@ -1,5 +1,6 @@
-"""A job for tests/test_multihost.py and tests/test_multicast_rendezvous.py, run on the hosts of a simulated cluster
-(``tdist.testing.cluster``) the way a user runs a torch.distributed program.
+"""A job for tests/test_multihost.py and tests/test_multicast_rendezvous.py, run on the
+hosts of a simulated cluster (``tdist.testing.cluster``) the way a user runs a
+torch.distributed program.
 
     python multihost_job.py --backend tcp [--init-method URL ...] [--size BYTES] [--steps K] [--hold]
 
