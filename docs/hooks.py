@@ -52,6 +52,10 @@ def _backend_notes() -> str:
             out.append(f"- {_cell(spec.description)}")
         if spec.default_init_method:
             out.append(f"- default init method: `{spec.default_init_method}`")
+        if spec.torch_bridge is None:
+            out.append(f"- torch.distributed backend: `tdist-{spec.name}` ([torch's utilities](guide/torch.md))")
+        else:
+            out.append(f"- not usable by torch.distributed: {_cell(spec.torch_bridge)}")
         extra = dict(spec.extra or {})
         options = extra.pop("options", None)
         if options:

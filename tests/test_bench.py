@@ -1,5 +1,5 @@
 """``python -m tdist.bench``: a quick smoke run (2 ranks, all_reduce at 4 B and 1 KiB), the
-report helpers and ``--core-overhead``. No timing is asserted: the machine is shared."""
+report helpers, ``--core-overhead`` and ``--ddp``. No timing is asserted: the machine is shared."""
 
 from __future__ import annotations
 
@@ -50,7 +50,19 @@ def test_smoke_every_op_without_mpi(tmp_path):
 def test_core_overhead_mode(tmp_path):
     proc = _run(["--core-overhead", "--iters", "200", "--repeats", "2"], tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "core's own cost" in proc.stdout
+    assert "core's own cost" in proc.stdout and "bridge's own cost" in proc.stdout
+
+
+@pytest.mark.slow
+def test_ddp_mode(tmp_path):
+    """torch's DDP on tdist-tcp and on torch's gloo (and without DDP), side by side."""
+    out = tmp_path / "ddp.json"
+    proc = _run(["--ddp", "--world-sizes", "2", "--repeats", "1", "--ddp-steps", "1", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "torch DDP training step, 4.2M parameters" in proc.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert {r["backend"] for r in rows} == {"tdist-tcp", "gloo", "local"}
+    assert all(r["world"] == 2 and r["step_s"] > 0 for r in rows)
 
 
 def test_store_mode(tmp_path):

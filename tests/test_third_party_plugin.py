@@ -179,7 +179,8 @@ def test_backend_found_through_the_installed_entry_point(third_party):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_conformance_kit_passes_from_outside_the_repository(third_party):
-    """The whole kit (conformance bodies, tutorial, failure scenarios) at world sizes 1 and 2.
+    """The whole kit (conformance bodies, tutorial, failure scenarios, torch's utilities over
+    the backend's groups) at world sizes 1 and 2.
 
     ``peer_killed_mid_collective`` is left out to save time: the template declares
     ``peer_failure`` unsupported, so the kit would only report it xfail after the
@@ -249,9 +250,12 @@ def test_core_wheel_ships_the_conformance_kit(tmp_path):
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
     for module in ("pytest_plugin", "suite/__init__", "suite/test_conformance", "suite/test_failures",
-                   "suite/test_tutorial", "world", "_worker"):
+                   "suite/test_tutorial", "suite/test_torch", "torch_utilities", "world", "_worker"):
         assert f"tdist/testing/{module}.py" in names, module
     assert re.search(r"^\[pytest11\]\s*\n\s*tdist = tdist\.testing\.pytest_plugin\s*$", entry_points, re.M), entry_points
+    # torch's extension autoloading registers the installed backends as tdist-<name>
+    assert "tdist_autoload/__init__.py" in names
+    assert re.search(r"^\[torch\.backends\]\s*\n\s*tdist = tdist_autoload:register\s*$", entry_points, re.M), entry_points
 
 
 def test_core_sources_unchanged(core_digest, third_party):

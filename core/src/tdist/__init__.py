@@ -90,8 +90,11 @@ from ._store import (
 from ._subgroups import new_subgroups, new_subgroups_by_enumeration
 from ._work import Work
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
+from ._torch import register_with_torch as _register_with_torch
 
 __version__ = "0.1.0"
+
+_register_with_torch()  # torch.distributed.init_process_group("tdist-tcp") works after `import tdist`
 
 #: torch.distributed's private spelling of :func:`make_premul_sum`.
 _make_nccl_premul_sum = make_premul_sum

@@ -59,7 +59,10 @@ class BackendSpec:
     ``available`` is None when usable, else the reason it is not (e.g. "no GPU").
     ``default_init_method`` is the init method used when the caller names none
     (e.g. ``"mpi://"`` for a backend whose launcher provides rank and size);
-    None means ``env://``.
+    None means ``env://``. ``torch_bridge`` is None when tdist can serve
+    ``torch.distributed`` through this backend (as torch's backend ``tdist-<name>``,
+    and as torch's default group after ``tdist.init_process_group``), else the reason
+    it cannot.
     """
 
     name: str
@@ -70,6 +73,7 @@ class BackendSpec:
     default_init_method: Optional[str] = None
     distribution: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    torch_bridge: Optional[str] = None
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -17,7 +17,14 @@ from ._dispatch import contiguous_view, device_of, issue
 from ._errors import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError
 from ._groups import resolve_group, warn_not_member
 from ._reduce_op import ReduceOp, as_reduction
-from ._validate import check_same_dtype, check_splits, check_tensor, check_tensor_list, peer_rank
+from ._validate import (
+    check_all_to_all_splits,
+    check_same_dtype,
+    check_tensor,
+    check_tensor_list,
+    check_whole,
+    peer_rank,
+)
 from ._work import Work
 from .reduction import check_reduction
 
@@ -113,11 +120,7 @@ def all_gather_into_tensor(
     pg = resolve_group(group)
     if pg is None:
         return warn_not_member("all_gather_into_tensor")
-    if output_tensor.numel() != pg.size * input_tensor.numel():
-        raise ValueError(
-            f"all_gather_into_tensor: output_tensor has {output_tensor.numel()} elements, expected "
-            f"{pg.size} × {input_tensor.numel()} = {pg.size * input_tensor.numel()}"
-        )
+    check_whole("all_gather_into_tensor", "output_tensor", output_tensor, input_tensor, pg.size)
     copies: list = []
     out = contiguous_view(output_tensor, copies, output=True)
     inp = contiguous_view(input_tensor, None, output=False)
@@ -203,11 +206,7 @@ def reduce_scatter_tensor(
     pg = resolve_group(group)
     if pg is None:
         return warn_not_member("reduce_scatter_tensor")
-    if input.numel() != pg.size * output.numel():
-        raise ValueError(
-            f"reduce_scatter_tensor: input has {input.numel()} elements, expected "
-            f"{pg.size} × {output.numel()} = {pg.size * output.numel()}"
-        )
+    check_whole("reduce_scatter_tensor", "input", input, output, pg.size)
     copies: list = []
     out = contiguous_view(output, copies, output=True)
     inp = contiguous_view(input, None, output=False)
@@ -249,14 +248,7 @@ def all_to_all_single(
     pg = resolve_group(group)
     if pg is None:
         return warn_not_member("all_to_all_single")
-    if input.dim() == 0 or output.dim() == 0:
-        raise ValueError("all_to_all_single: input and output must have at least one dimension")
-    in_splits = check_splits("all_to_all_single", "input_split_sizes", input_split_sizes, input.shape[0], pg.size)
-    out_splits = check_splits("all_to_all_single", "output_split_sizes", output_split_sizes, output.shape[0], pg.size)
-    if input.shape[1:] != output.shape[1:]:
-        raise ValueError(
-            f"all_to_all_single: input and output must agree beyond dim 0, got {tuple(input.shape)} and {tuple(output.shape)}"
-        )
+    out_splits, in_splits = check_all_to_all_splits(output, input, output_split_sizes, input_split_sizes, pg.size)
     copies: list = []
     out = contiguous_view(output, copies, output=True)
     inp = contiguous_view(input, None, output=False)

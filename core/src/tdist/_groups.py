@@ -40,6 +40,9 @@ class ProcessGroup:
     ``sort_ranks=False``); ``rank`` is this process's index in
     them. ``backends`` maps device type to the backend serving it, and ``specs``
     to the :class:`BackendSpec` it came from (for capability checks).
+    ``torch_group`` is the ``torch.distributed`` ProcessGroup that mirrors this group
+    (see :mod:`tdist._torch`), None when not bridged; :attr:`handle` is what the API
+    hands out for the group: the mirror when there is one, so torch accepts it too.
     """
 
     def __init__(
@@ -66,6 +69,12 @@ class ProcessGroup:
         self.p2p_seq = 0
         self._global_to_group = {g: i for i, g in enumerate(self.ranks)}
         self._lock = threading.Lock()
+        self.torch_group: Any = None
+
+    @property
+    def handle(self) -> Any:
+        """The group as the API returns it: its torch.distributed mirror, else itself."""
+        return self if self.torch_group is None else self.torch_group
 
     def next_seq(self) -> int:
         """Advance and return this group's collective counter: every member calls every
@@ -115,10 +124,17 @@ class ProcessGroup:
 
 
 class _NonMember:
-    """The handle a rank receives from ``new_group`` when it is not a member."""
+    """The handle a rank receives from ``new_group`` when it is not a member. It equals
+    torch.distributed's own (``-100``), so torch's functions treat it as theirs."""
 
     def __repr__(self) -> str:
         return "<GroupMember.NON_GROUP_MEMBER>"
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or (type(other) is int and other == _TORCH_NON_MEMBER)
+
+    def __hash__(self) -> int:
+        return hash(_TORCH_NON_MEMBER)
 
 
 class _State:
@@ -146,14 +162,17 @@ class GroupMember:
     NON_GROUP_MEMBER: Any = _NonMember()
 
     class _World:
-        def __get__(self, obj: Any, owner: Any) -> Optional[ProcessGroup]:
-            return STATE.world
+        def __get__(self, obj: Any, owner: Any) -> Any:
+            return None if STATE.world is None else STATE.world.handle
 
     WORLD = _World()
 
 
 #: ``tdist.group.WORLD`` as in torch.distributed.
 group = GroupMember
+
+#: What ``torch.distributed.new_group`` returns to ranks outside the group.
+_TORCH_NON_MEMBER = -100
 
 
 def is_initialized() -> bool:
@@ -173,15 +192,23 @@ def resolve_group(group: Any) -> Optional[ProcessGroup]:
     Raises if the package is not initialized or ``group`` is not a group.
     """
     world = _require_init()
-    if group is None or group is GroupMember.WORLD:
+    if group is None or group is world.torch_group:
         return world
     if group is GroupMember.NON_GROUP_MEMBER:
+        return None
+    mirrored = getattr(group, "tdist_group", None)  # a torch.distributed group made by tdist (tdist._torch)
+    if mirrored is not None:
+        group = mirrored
+    elif type(group) is int and group == _TORCH_NON_MEMBER:
         return None
     if isinstance(group, ProcessGroup):
         if group not in STATE.groups:
             raise DistStateError(f"group {group.name!r} was destroyed or belongs to an earlier init_process_group")
         return group
-    raise TypeError(f"group must be a group returned by tdist.new_group() or None, got {group!r}")
+    raise TypeError(
+        "group must be a group returned by tdist.new_group(), torch.distributed's group of a tdist backend, "
+        f"or None; got {group!r}"
+    )
 
 
 def warn_not_member(operation: str) -> None:

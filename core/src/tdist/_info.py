@@ -14,12 +14,16 @@ YES, NO = "✓", "✘"
 
 
 def support_table(specs: Sequence[BackendSpec], devices: Sequence[str] = ("cpu", "cuda")) -> str:
-    """The seed docs' table (operation × backend × device) as Markdown."""
+    """The seed docs' table (operation × backend × device) as Markdown, and a last row:
+    whether torch.distributed can use the backend (``tdist-<name>``, see ``BackendSpec.torch_bridge``)."""
     header = ["Backend"] + [f"`{s.name}` {d.upper() if d == 'cpu' else 'GPU'}" for s in specs for d in devices]
     rows = [header, ["---"] * len(header)]
     for operation in (*OPERATIONS, ANY_SOURCE_OP):
         label = "recv (any source)" if operation == ANY_SOURCE_OP else operation
         rows.append([label] + [YES if s.supports(operation, d) else NO for s in specs for d in devices])
+    # whether torch.distributed can use the backend (as tdist-<name>, and as its default group)
+    rows.append(["torch.distributed"] + [YES if s.torch_bridge is None and d in s.devices else NO
+                                         for s in specs for d in devices])
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 

@@ -8,6 +8,7 @@ import urllib.parse
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
+from . import _torch as bridging
 from ._backend import Backend, BackendSpec
 from ._errors import DistError, DistStateError, DistStoreTimeoutError, NotInitializedAssertion
 from ._groups import STATE, GroupMember, ProcessGroup, resolve_group
@@ -166,12 +167,15 @@ def _rendezvous(
     return store, rank, world_size
 
 
-def join(store: Store, key: str, rank: int, members: Sequence[int], timeout: timedelta) -> None:
+def join(store: Store, key: str, rank: int, members: Sequence[int], timeout: timedelta, backend: str = "") -> None:
     """Block until every rank in ``members`` has called ``join`` with the same ``key``.
 
-    On timeout, raise naming the ranks that never arrived.
+    On timeout, raise naming the ranks that never arrived. With ``backend``, the ranks
+    must all have named the same backend: the first member compares them and publishes
+    its verdict, so on a difference every member raises the same DistError (and nothing
+    else is communicated).
     """
-    store.set(f"{key}/joined/{rank}", b"1")
+    store.set(f"{key}/joined/{rank}", backend or b"1")
     deadline = time.monotonic() + timeout.total_seconds()
     missing = list(members)
     while missing:
@@ -187,6 +191,37 @@ def join(store: Store, key: str, rank: int, members: Sequence[int], timeout: tim
                 f"(of {len(members)} expected)"
             ) from None
         missing.pop(0)
+    if backend:
+        _agree_on_backend(store, key, rank, list(members), timeout)
+
+
+#: How long the first member, having found ranks that disagree, waits for the others to
+#: read its verdict before it raises (and its store may close).
+_VERDICT_GRACE_S = 10.0
+
+
+def _agree_on_backend(store: Store, key: str, rank: int, members: list[int], timeout: timedelta) -> None:
+    if rank != members[0]:
+        verdict = store.get(f"{key}/verdict", timeout=timeout.total_seconds()).decode()
+        if verdict != "ok":
+            store.set(f"{key}/read/{rank}", b"1")
+            raise DistError(verdict)
+        return
+    named = {r: store.get(f"{key}/joined/{r}").decode() for r in members}
+    if len(set(named.values())) == 1:
+        store.set(f"{key}/verdict", b"ok")
+        return
+    by_backend: dict[str, list[int]] = {}
+    for r, name in named.items():
+        by_backend.setdefault(name, []).append(r)
+    listing = "; ".join(f"{name!r} on rank(s) {ranks}" for name, ranks in by_backend.items())
+    message = f"{key}: the ranks disagree on the backend: {listing}"
+    store.set(f"{key}/verdict", message)
+    try:
+        store.wait([f"{key}/read/{r}" for r in members[1:]], timeout=min(_VERDICT_GRACE_S, timeout.total_seconds()))
+    except DistStoreTimeoutError:
+        pass  # a rank that does not read the verdict fails on its own (its backend sees no peers)
+    raise DistError(message)
 
 
 def _build_group(
@@ -237,6 +272,7 @@ def init_process_group(
     group_name: str = "",
     pg_options: Optional[dict[str, Any]] = None,
     device_id: Any = None,
+    torch_bridge: Optional[bool] = None,
 ) -> None:
     """Initialise the default process group; blocks until every rank has joined.
 
@@ -248,6 +284,11 @@ def init_process_group(
     share one rendezvous (file path or address). ``pg_options`` are passed to the
     backend factories, with ``device_id`` (the device this rank uses, which lets a
     GPU backend connect eagerly) added as ``pg_options["device_id"]`` when given.
+
+    ``torch_bridge`` (default: on unless ``TDIST_TORCH_BRIDGE=0``): also make this group
+    torch.distributed's default group, so torch's utilities (DDP, DistributedSampler,
+    FSDP, DCP, ...) use it; if the program initialized torch.distributed itself, tdist
+    leaves it alone (and warns once), or raises ValueError when torch's world differs.
     """
     if STATE.world is not None:
         raise DistStateError("init_process_group: already initialized; call tdist.destroy_process_group() first")
@@ -261,6 +302,8 @@ def init_process_group(
     if device_id is not None:
         options["device_id"] = device_id
     display, devices = _parse_backend(backend)
+    bridge_wanted = bridging.wanted(torch_bridge)
+    bridge = bridge_wanted and bridging.torch_is_free(rank, world_size)
     if store is not None:
         if init_method is not None:
             raise ValueError("init_process_group: pass either init_method or store, not both")
@@ -271,7 +314,9 @@ def init_process_group(
             init_method = _default_init_method(devices)
         store, rank, world_size = _rendezvous(init_method, rank, world_size, timeout, group_name)
     try:
-        join(store, "tdist/init", rank, range(world_size), timeout)
+        if bridge_wanted:  # again, now that rank and world size are known
+            bridge = bridging.torch_is_free(rank, world_size)
+        join(store, "tdist/init", rank, range(world_size), timeout, backend=display)
         world = _build_group("pg0", list(range(world_size)), rank, devices, display, store, timeout, options)
     except BaseException:
         store.close()
@@ -282,6 +327,12 @@ def init_process_group(
     STATE.group_count = 0
     STATE.backend_name = display
     STATE.options = options
+    if bridge:
+        try:
+            bridging.mirror_world(world)
+        except BaseException:
+            destroy_process_group()
+            raise
 
 
 def _default_init_method(devices: dict[str, str]) -> str:
@@ -323,17 +374,19 @@ def new_group(
             raise ValueError("new_group: ranks is empty")
     STATE.group_count += 1
     name = f"pg{STATE.group_count}"
+    display, devices = _parse_backend(backend) if backend else (world.backend_name, _same_devices(world))
     if world.rank not in members:
+        bridging.mirror_new_group(None, members, devices, group_desc)
         return GroupMember.NON_GROUP_MEMBER
     timeout = timeout or world.timeout
-    display, devices = _parse_backend(backend) if backend else (world.backend_name, _same_devices(world))
-    join(STATE.store, f"tdist/{name}", world.rank, members, timeout)
+    join(STATE.store, f"tdist/{name}", world.rank, members, timeout, backend=display)
     options = {**STATE.options, **(pg_options or {})}
     if device_id is not None:
         options["device_id"] = device_id
     pg = _build_group(name, members, world.rank, devices, display, STATE.store, timeout, options)
     STATE.groups.append(pg)
-    return pg
+    bridging.mirror_new_group(pg, members, devices, group_desc)
+    return pg.handle
 
 
 def _same_devices(world: ProcessGroup) -> dict[str, str]:
@@ -352,10 +405,12 @@ def destroy_process_group(group: Any = None) -> None:
         assert pg is not None
         STATE.groups.remove(pg)
         pg.shutdown()
+        bridging.forget(pg)
         return
     groups, store = STATE.groups, STATE.store
     STATE.reset()
     for pg in reversed(groups):
         pg.shutdown()
+    bridging.forget_all(groups)
     if store is not None:
         store.close()

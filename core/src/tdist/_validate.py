@@ -10,7 +10,8 @@ from ._groups import ProcessGroup
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_tensor", "check_tensor_list", "peer_rank", "check_same_dtype"]
+__all__ = ["check_tensor", "check_tensor_list", "peer_rank", "check_same_dtype", "check_whole", "check_root",
+           "check_all_to_all_splits", "check_splits"]
 
 
 def _torch() -> Any:
@@ -63,6 +64,26 @@ def check_same_dtype(operation: str, a_name: str, a: "torch.Tensor", b_name: str
         raise ValueError(f"{operation}: {a_name} is on {a.device} but {b_name} is on {b.device}")
 
 
+def check_whole(operation: str, whole_name: str, whole: "torch.Tensor", part: "torch.Tensor", size: int) -> None:
+    """``whole`` (the gathered output / the input to scatter) holds ``size`` times ``part``'s elements."""
+    if whole.numel() != size * part.numel():
+        raise ValueError(
+            f"{operation}: {whole_name} has {whole.numel()} elements, expected "
+            f"{size} × {part.numel()} = {size * part.numel()}"
+        )
+
+
+def check_root(operation: str, pg: ProcessGroup, name: str, group_rank: int, allow_self: bool = True) -> int:
+    """``group_rank`` if it names a rank of ``pg`` (and, unless ``allow_self``, not this one)."""
+    if not isinstance(group_rank, int) or not 0 <= group_rank < pg.size:
+        raise ValueError(
+            f"{operation}: {name} (group rank {group_rank!r}) is out of range for a group of size {pg.size}"
+        )
+    if not allow_self and group_rank == pg.rank:
+        raise ValueError(f"{operation}: {name} {pg.ranks[group_rank]} is this process's own rank")
+    return group_rank
+
+
 def peer_rank(
     operation: str, pg: ProcessGroup, name: str, global_rank: Optional[int], group_rank: Optional[int],
     allow_self: bool = True, default: Optional[int] = None,
@@ -108,3 +129,21 @@ def check_splits(operation: str, name: str, splits: Optional[Sequence[int]], dim
     if sum(splits) != dim0:
         raise ValueError(f"{operation}: {name} sums to {sum(splits)} but dim 0 of the tensor is {dim0}")
     return splits
+
+
+def check_all_to_all_splits(
+    output: "torch.Tensor", input: "torch.Tensor", output_split_sizes: Optional[Sequence[int]],
+    input_split_sizes: Optional[Sequence[int]], size: int,
+) -> tuple[list[int], list[int]]:
+    """all_to_all_single's (output, input) split sizes along dim 0, checked: even splits
+    when not given, tensors of at least one dimension that agree beyond dim 0."""
+    if input.dim() == 0 or output.dim() == 0:
+        raise ValueError("all_to_all_single: input and output must have at least one dimension")
+    in_splits = check_splits("all_to_all_single", "input_split_sizes", input_split_sizes, input.shape[0], size)
+    out_splits = check_splits("all_to_all_single", "output_split_sizes", output_split_sizes, output.shape[0], size)
+    if input.shape[1:] != output.shape[1:]:
+        raise ValueError(
+            f"all_to_all_single: input and output must agree beyond dim 0, got {tuple(input.shape)} and "
+            f"{tuple(output.shape)}"
+        )
+    return out_splits, in_splits

@@ -12,12 +12,12 @@ from datetime import timedelta
 from typing import Any
 
 
-def _init(timeout: float = 30.0, init_method: str = "env://", **options: Any) -> Any:
+def _init(timeout: float = 30.0, init_method: str = "env://", torch_bridge: bool = True, **options: Any) -> Any:
     import tdist
 
     tdist.init_process_group(
         "gloo", init_method=init_method, timeout=timedelta(seconds=timeout), pg_options=options or None,
-        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), torch_bridge=torch_bridge,
     )
     return tdist
 
@@ -459,7 +459,7 @@ def side_by_side(rank: int, world_size: int, torch_port: int) -> list:
     import torch
     import torch.distributed as td
 
-    dist = _init()
+    dist = _init(torch_bridge=False)  # two worlds: tdist's is not made torch's default group
     td.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank, world_size=world_size,
                           timeout=timedelta(seconds=30))
     a, b = torch.full((3,), float(rank)), torch.full((3,), float(rank + 1))

@@ -213,7 +213,7 @@ def _torch_store_class() -> Any:
             self._call("barrier", key, world_size, timeout)
 
         def clone(self) -> "TdistBackedStore":
-            return TdistBackedStore(self._call("clone"))
+            return as_torch_store(self._call("clone"))  # kept alive: torch's C++ side may be its only holder
 
         def queue_push(self, key: str, value: Any) -> None:
             self._call("queue_push", key, value)
@@ -224,22 +224,36 @@ def _torch_store_class() -> Any:
         def queue_len(self, key: str) -> int:
             return self._call("queue_len", key)
 
+        # torch's C++ callers (a PrefixStore over this store) look these up by their C++ names.
+        getNumKeys = num_keys  # noqa: N815
+        deleteKey = delete_key  # noqa: N815
+
     _TdistBackedStore = TdistBackedStore
     return TdistBackedStore
 
 
 _TdistBackedStore: Any = None
 
+#: Every adapter made, kept alive for the process: torch's C++ side (a PrefixStore, a
+#: process group) holds the adapter without a Python reference, and pybind forwards its
+#: calls to the Python methods only while the Python object lives.
+_ADAPTERS: list[Any] = []
+
 
 def as_torch_store(store: Store) -> "torch.distributed.Store":
     """``store`` as a ``torch.distributed.Store`` (what ``torch.distributed.init_process_group(store=...)``,
-    torch's ``PrefixStore`` and torch's backends take). A :class:`TorchStore` gives back the
-    torch store it wraps."""
+    torch's ``PrefixStore`` and torch's backends take); one adapter per store, which lives
+    as long as the process. A :class:`TorchStore` gives back the torch store it wraps."""
     if isinstance(store, TorchStore):
         return store.torch_store
     if not isinstance(store, Store):
         raise TypeError(f"as_torch_store: expected a tdist Store, got {type(store).__name__}")
-    return _torch_store_class()(store)
+    adapter = getattr(store, "_torch_adapter", None)
+    if adapter is None:
+        adapter = _torch_store_class()(store)
+        store._torch_adapter = adapter  # type: ignore[attr-defined]
+        _ADAPTERS.append(adapter)
+    return adapter
 
 
 def from_torch_store(store: Any, timeout: Timeout = None) -> Store:

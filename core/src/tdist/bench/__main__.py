@@ -7,6 +7,7 @@ Examples::
     python -m tdist.bench --sizes 4,256K,4M --csv out.csv --json out.json --plot busbw.png
     python -m tdist.bench --core-overhead
     python -m tdist.bench --store                           # TCPStore: tdist against torch's
+    python -m tdist.bench --ddp                   # torch DDP steps on tdist-tcp vs torch's gloo
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-clients", type=int, default=16, help="client processes for --store (default 16)")
     p.add_argument("--store-ops", type=int, default=1000, help="adds per client for --store (default 1000)")
     p.add_argument("--store-keys", type=int, default=100, help="keys per multi_get for --store (default 100)")
+    p.add_argument("--ddp", action="store_true",
+                   help="time torch's DistributedDataParallel steps on tdist-tcp against torch's gloo instead "
+                        "(--world-sizes, --repeats apply)")
+    p.add_argument("--ddp-steps", type=int, default=5, help="training steps per sample for --ddp")
+    p.add_argument("--ddp-batch", type=int, default=16, help="rows per rank per step for --ddp (default 16)")
     return p
 
 
@@ -116,6 +122,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(format_overhead(result))
         if args.json:
             write_json(args.json, [result], {"mode": "core-overhead"})
+        return 0
+    if args.ddp:
+        from .ddp import ddp_bench, format_ddp
+
+        worlds = [int(w) for w in args.world_sizes.split(",") if w.strip()]
+        rows = ddp_bench(worlds, steps=args.ddp_steps, repeats=args.repeats, batch=args.ddp_batch,
+                         timeout=args.timeout)
+        print(format_ddp(rows))
+        if args.json:
+            write_json(args.json, rows, {"mode": "ddp"})
         return 0
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]

@@ -39,8 +39,10 @@ def _mpirun_command(mpirun: str, world: int) -> list[str]:
     return cmd
 
 
-def run_world(world: int, cfg: dict[str, Any], use_mpi: bool, timeout: float, verbose: bool = False) -> list[dict]:
-    """Run the workers of one world size; their results (rank 0's file)."""
+def run_world(world: int, cfg: dict[str, Any], use_mpi: bool, timeout: float, verbose: bool = False,
+              worker_module: str = "tdist.bench.workers") -> list[dict]:
+    """Run the workers (``python -m worker_module CONFIG``) of one world size; their
+    results (rank 0's file)."""
     tmp = tempfile.mkdtemp(prefix="tdist-bench-")
     cfg = dict(cfg)
     cfg["result"] = os.path.join(tmp, "result.json")
@@ -51,7 +53,7 @@ def run_world(world: int, cfg: dict[str, Any], use_mpi: bool, timeout: float, ve
         json.dump(cfg, f)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TDIST_BENCH_")}
     env.setdefault("PYTHONUNBUFFERED", "1")
-    worker = [sys.executable, "-m", "tdist.bench.workers", path]
+    worker = [sys.executable, "-m", worker_module, path]
     procs: list[subprocess.Popen] = []
     if use_mpi:
         mpirun = find_mpirun()

@@ -25,7 +25,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-__all__ = ["main", "Adapter", "make_adapters", "run", "OPS"]
+__all__ = ["main", "serve", "Adapter", "make_adapters", "run", "OPS"]
 
 #: Operations the benchmark knows, in the order it runs them.
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
@@ -274,7 +274,8 @@ def make_adapters(cfg: dict, rank: int, world: int, under_mpi: bool) -> tuple[li
             if tdist_default is None:
                 init = "mpi://" if backend == "mpi" else f"tcp://127.0.0.1:{cfg['ports']['tdist']}"
                 tdist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                                         timeout=timedelta(seconds=timeout), pg_options=options)
+                                         timeout=timedelta(seconds=timeout), pg_options=options,
+                                         torch_bridge=False)  # torch's default group is the gloo reference
                 tdist_default = backend
                 group = None
             else:
@@ -354,6 +355,12 @@ def run(cfg: dict, rank: int, world: int, under_mpi: bool) -> list[dict]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    return serve(run, argv, "[bench]")
+
+
+def serve(run_fn: Callable[[dict, int, int, bool], list], argv: Optional[list[str]], label: str) -> int:
+    """A worker's life: read the configuration, ``run_fn(cfg, rank, world, under_mpi)``,
+    rank 0 writes the results to ``cfg["result"]``; an error is printed and exits 3."""
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
         cfg = json.load(f)
@@ -366,9 +373,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             init_mpi()
     try:
-        results = run(cfg, rank, world, under_mpi)
+        results = run_fn(cfg, rank, world, under_mpi)
     except BaseException as exc:
-        print(f"[bench] rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(f"{label} rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         import traceback
 
         traceback.print_exc()

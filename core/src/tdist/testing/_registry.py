@@ -8,8 +8,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 __all__ = ["Body", "body", "bodies", "SUITES"]
 
-#: The suites bodies belong to: the API conformance bodies and the tutorial programs.
-SUITES = ("conformance", "tutorial")
+#: The suites bodies belong to: the API conformance bodies, the tutorial programs and
+#: torch's own utilities over the module's groups.
+SUITES = ("conformance", "tutorial", "torch")
 
 Requires = Union[Sequence[str], Callable[..., Sequence[str]]]
 

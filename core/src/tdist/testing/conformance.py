@@ -11,6 +11,7 @@ Importing this module registers the bodies of:
 - :mod:`~tdist.testing.conformance_groups` (groups, non-members, monitored_barrier, multi-GPU names)
 - :mod:`~tdist.testing.conformance_errors` (bad arguments raise without communicating)
 - :mod:`~tdist.testing.tutorial` (the tutorial's programs; suite "tutorial")
+- :mod:`~tdist.testing.torch_utilities` (torch's DDP, FSDP, DCP, ... over the groups; suite "torch")
 - :mod:`~tdist.testing.scenarios` (failure scenarios in one-off worlds)
 
 Use :func:`tdist.testing.collect` to turn them into pytest tests, or run one
@@ -28,6 +29,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     conformance_p2p,
     conformance_reduce,
     scenarios,
+    torch_utilities,
     tutorial,
 )
 from ._registry import Body, bodies
@@ -47,5 +49,6 @@ __all__ = [
     "conformance_objects",
     "conformance_errors",
     "tutorial",
+    "torch_utilities",
     "scenarios",
 ]
