@@ -1,7 +1,8 @@
-"""A job for tests/test_multihost.py, run on the hosts of a simulated cluster
-(``tdist.testing.cluster``) the way a user runs a torch.distributed program.
+"""A job for tests/test_multihost.py and tests/test_multicast_rendezvous.py, run on the
+hosts of a simulated cluster (``tdist.testing.cluster``) the way a user runs a
+torch.distributed program.
 
-    python multihost_job.py --backend tcp [--init-method URL ...] [--size BYTES] [--steps K]
+    python multihost_job.py --backend tcp [--init-method URL ...] [--size BYTES] [--steps K] [--hold]
 
 For each ``--init-method`` in turn (default: one ``init_process_group`` without one,
 i.e. env://; ``URL#NAME`` passes ``group_name=NAME``), initialises tdist, checks, then
@@ -12,19 +13,27 @@ destroys the group. The checks, on every rank:
   must send and receive for it: at least half the tensor);
 - ``all_gather`` of every rank's (rank, host name as a number tensor): which host each
   rank runs on, so the test can check that the ranks span the hosts;
-- for the tcp backend, that the group does not use shared memory.
+- for the tcp backend, that the group does not use shared memory;
+- how long ``init_process_group`` took, and how many UDP sockets of this process are still
+  bound to the init method's port (a multicast ``tcp://`` rendezvous must close its own).
 
 Prints one line ``RESULT {json}`` per init method. With ``--steps K``, it then runs K more
-all_reduces, printing ``step i`` after each (the test kills a host in the middle).
+all_reduces, printing ``step i`` after each (the test kills a host in the middle). With
+``--hold`` it waits for a line on stdin before its first init (a process the test starts
+ready, then lets in late).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
+import os
 import socket
 import sys
 import time
+import urllib.parse
 from datetime import timedelta
 
 
@@ -39,6 +48,23 @@ def link_bytes(ifname: str = "eth0") -> tuple[int, int]:
     return 0, 0
 
 
+def udp_sockets_on(port: int) -> int:
+    """How many UDP sockets of this process are bound to ``port``."""
+    links = set()
+    for fd in glob.glob("/proc/self/fd/*"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            links.add(os.readlink(fd))
+    mine = {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
+    count = 0
+    for table in ("/proc/net/udp", "/proc/net/udp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] in mine:
+                    count += 1
+    return count
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
@@ -47,19 +73,26 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=4 << 20)
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--hold", action="store_true", help="wait for a line on stdin to start")
     args = parser.parse_args()
 
     import torch
 
     import tdist as dist
 
+    if args.hold:
+        sys.stdin.readline()
     for i, init_method in enumerate(args.init_method or [None]):
         if i:
             dist.destroy_process_group()
         url, _, group_name = (init_method or "").partition("#")
+        started = time.perf_counter()
         dist.init_process_group(args.backend, init_method=url or None, group_name=group_name,
                                 timeout=timedelta(seconds=args.timeout))
-        check(dist, args.backend, init_method, args.size)
+        init_seconds = time.perf_counter() - started
+        port = urllib.parse.urlsplit(url).port if url.startswith("tcp://") else None
+        check(dist, args.backend, init_method, args.size,
+              init_seconds=init_seconds, udp_open=udp_sockets_on(port) if port else 0)
 
     small = torch.ones(16)
     for step in range(args.steps):
@@ -70,7 +103,7 @@ def main() -> int:
     return 0
 
 
-def check(dist, backend: str, init_method, nbytes: int) -> None:
+def check(dist, backend: str, init_method, nbytes: int, **extra) -> None:
     """The all_reduce, all_gather and transport checks of the module's description."""
     import torch
 
@@ -99,6 +132,7 @@ def check(dist, backend: str, init_method, nbytes: int) -> None:
     print("RESULT " + json.dumps({
         "init_method": init_method, "rank": rank, "world_size": size, "host": host, "hosts": hosts,
         "reduced_ok": reduced_ok, "rx": after[0] - before[0], "tx": after[1] - before[1], "uses_shm": uses_shm,
+        **extra,
     }), flush=True)
 
 

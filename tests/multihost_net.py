@@ -6,6 +6,12 @@
                                                         # ("nothing" if none came within S seconds, default 30)
     python multihost_net.py mcast-send GROUP PORT TEXT  # sends TEXT to GROUP 20 times, 10 ms apart
     python multihost_net.py whoami                      # JSON: host name, its address, /dev/shm contents
+    python multihost_net.py mcast-forge GROUP PORT S NAME...  # an attacker on the multicast rendezvous of
+                                                        # group_name NAME...: prints "ready", then JSON
+                                                        # {NAME: offers sent} after S seconds or SIGTERM
+    python multihost_net.py mcast-ghost GROUP PORT NAME N   # a process of job NAME (world size N) that
+                                                        # announces itself until offered a rank, prints
+                                                        # "offered RANK" and dies without taking it
 """
 
 from __future__ import annotations
@@ -86,6 +92,77 @@ def mcast_send(group: str, port: int, text: str) -> None:
         time.sleep(0.01)
 
 
+def mcast_forge(group: str, port: int, seconds: float, names: list[str]) -> None:
+    """For ``seconds`` (or until SIGTERM): announce a fake process in each job ``names`` (lowest id, to win the
+    election) and answer every real process's announcement with an offer of rank 0's place
+    in a store this process serves (no token). Each datagram twice: without authentication,
+    and with a MAC under a wrong token. Uses tdist's datagram layout, as an attacker reading
+    the traffic would."""
+    import select
+    import signal
+
+    from tdist._rendezvous.multicast_socket import MulticastOptions, open_multicast_socket
+    from tdist._rendezvous.multicast_wire import _HEAD, ANNOUNCE, OFFER, Datagram, job_tag, pack
+    from tdist._store.tcp_server import TCPStoreServer
+
+    address = socket.gethostbyname(socket.gethostname())
+    fake = TCPStoreServer(address, 0, token=b"").start()
+    sock = open_multicast_socket(MulticastOptions(group, port))
+    tags = {job_tag(name): name for name in names}
+    world_sizes = {tag: 2 for tag in tags}
+    offers = {name: 0 for name in names}
+    me = bytes(16)
+
+    def send(datagram, tag):
+        for token in (b"", b"not the job's token"):
+            sock.sendto(pack(datagram, tag, token), (group, port))
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    print("ready", flush=True)
+    deadline = time.monotonic() + seconds
+    announce_at = 0.0
+    while time.monotonic() < deadline and not stop:
+        if time.monotonic() >= announce_at:
+            for tag, world_size in world_sizes.items():
+                send(Datagram(ANNOUNCE, me, world_size, -1, text="forger"), tag)
+            announce_at = time.monotonic() + 0.05
+        if not select.select([sock], [], [], 0.05)[0]:
+            continue
+        data = sock.recv(4096)
+        if len(data) < _HEAD.size:
+            continue
+        _, _, kind, _, tag, sender, world_size, rank, _, _, _ = _HEAD.unpack_from(data)
+        if kind == ANNOUNCE and tag in tags and sender != me:
+            world_sizes[tag] = world_size
+            send(Datagram(OFFER, me, world_size, max(rank, 0), sender, fake.port, address), tag)
+            offers[tags[tag]] += 1
+    sock.close()
+    fake.stop()
+    print(json.dumps(offers), flush=True)
+
+
+def mcast_ghost(group: str, port: int, name: str, world_size: int) -> None:
+    """A process of the multicast rendezvous of job ``name`` that crashes once the job has
+    counted it in: it announces itself (id ff..ff: the last rank of its host) until the
+    store's host offers it a rank."""
+    import select
+
+    from tdist._rendezvous.multicast_socket import MulticastOptions, open_multicast_socket
+    from tdist._rendezvous.multicast_wire import ANNOUNCE, OFFER, Datagram, job_tag, pack, unpack
+
+    sock, tag, me = open_multicast_socket(MulticastOptions(group, port)), job_tag(name), b"\xff" * 16
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        sock.sendto(pack(Datagram(ANNOUNCE, me, world_size, -1, text="ghost"), tag, b""), (group, port))
+        while select.select([sock], [], [], 0.05)[0]:
+            got = unpack(sock.recv(4096), tag, b"")
+            if isinstance(got, Datagram) and got.kind == OFFER and got.recipient == me:
+                print(f"offered {got.rank}", flush=True)
+                return
+    print("never offered", flush=True)
+
+
 def whoami() -> None:
     name = socket.gethostname()
     print(json.dumps({"hostname": name, "address": socket.gethostbyname(name), "shm": sorted(os.listdir("/dev/shm"))}))
@@ -101,6 +178,10 @@ def main(argv: list[str]) -> int:
         mcast_recv(args[0], int(args[1]), float(args[2]) if len(args) > 2 else 30.0)
     elif mode == "mcast-send":
         mcast_send(args[0], int(args[1]), args[2])
+    elif mode == "mcast-forge":
+        mcast_forge(args[0], int(args[1]), float(args[2]), args[3:])
+    elif mode == "mcast-ghost":
+        mcast_ghost(args[0], int(args[1]), args[2], int(args[3]))
     elif mode == "whoami":
         whoami()
     else:

@@ -6,6 +6,9 @@ assigned automatically in arrival order: the first process able to bind the
 address hosts the store. With ``group_name``, several jobs share one address, at once
 or one after another: the address only points each job to its own store, so no job
 depends on another's processes once it has gathered (see :mod:`.tcp_jobs`).
+
+A multicast address (``tcp://239.1.2.3:23456``, ``tcp://[ff15::1234]:23456``) makes the
+processes find each other on that group instead (see :mod:`.multicast`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from .._errors import DistError
 from .._store import TCPStore
 from .._store.base import Store
 from .common import check_rank, merge_int, query_int
+from .multicast import multicast_rendezvous
 from .tcp_jobs import join_tcp_job
 
 __all__ = ["tcp_rendezvous", "connect_tcp_store"]
@@ -30,8 +34,8 @@ def connect_tcp_store(host: str, port: int, rank: int, world_size: int, timeout:
 
 
 def _is_multicast(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_multicast
+    try:  # an IPv6 group may carry a scope: [ff02::1%25eth0]
+        return ipaddress.ip_address(urllib.parse.unquote(host).partition("%")[0]).is_multicast
     except ValueError:
         return False
 
@@ -48,13 +52,11 @@ def tcp_rendezvous(
         raise ValueError(f"tcp:// rendezvous: invalid port in {where!r}") from None
     if port is None:
         raise ValueError(f"tcp:// rendezvous: port number missing in {where!r}")
-    if _is_multicast(url.hostname):
-        raise ValueError(
-            f"tcp:// rendezvous: {url.hostname} is a multicast address; tdist assigns ranks automatically with "
-            "a unicast address instead: tcp://<address of one host>:<port> without a rank"
-        )
     rank = merge_int("tcp", "rank", rank, query_int(url, "rank", "tcp"))
     world_size = merge_int("tcp", "world_size", world_size, query_int(url, "world_size", "tcp"))
+    if _is_multicast(url.hostname):
+        return multicast_rendezvous(url, url.hostname, port, rank=rank, world_size=world_size, timeout=timeout,
+                                    group_name=group_name)
     if world_size < 1:
         raise ValueError(f"tcp:// rendezvous: world_size is required (argument or ?world_size= in {where!r})")
     check_rank("tcp", rank, world_size)
