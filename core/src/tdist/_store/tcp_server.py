@@ -363,14 +363,14 @@ class TCPStoreServer:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
+            while self._pending and len(self._pending) >= self._max_pending:  # the cap holds at every moment
+                self._close(next(iter(self._pending)))
             conn = _Conn(sock)
             self._conns[sock.fileno()] = conn
             self._pending[conn] = None
             assert self._sel is not None
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self._timer(self._handshake_timeout, conn, "handshake")
-            while len(self._pending) > self._max_pending:
-                self._close(next(iter(self._pending)))
 
     def _pause_accepting(self) -> None:
         assert self._sel is not None
