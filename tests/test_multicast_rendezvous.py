@@ -28,7 +28,7 @@ from tdist._rendezvous.multicast_wire import ANNOUNCE, OFFER, Datagram, Rejected
 from tdist.testing.cluster import Cluster, unavailable_reason
 
 GROUP4 = "239.255.77.1"
-GROUP6 = "ff15:1e18:5d4c:4cf0:d02d:b659:53ba:b0a7"  # the seed's example
+GROUP6 = "ff15:1e18:5d4c:4cf0:d02d:b659:53ba:b0a7"  # the example address of torch.distributed's 2017 docs
 PORT = 23456  # every cluster has its own network: no other test can hold it
 JOB_TIMEOUT = 90.0
 _REASON = unavailable_reason()
@@ -118,7 +118,7 @@ def failures(procs) -> list[str]:
 @pytest.mark.timeout(180)
 def test_jobs_across_hosts(tdist_cluster):
     """Two jobs start at the same moment on the same IPv4 group, then on the same IPv6
-    group (the seed's address), told apart by group_name only. Job "a": two processes per
+    group (the 2017 docs' example address), told apart by group_name only. Job "a": two processes per
     host, ranks assigned (host 0's get 0 and 1). Job "b": ranks 0 and 1 given, in reverse
     host order, rank 2 assigned, the interface and TTL set in the environment; on IPv4 a
     process that dies before it connects (a "ghost") is counted in first, and a process

@@ -14,7 +14,7 @@ YES, NO = "✓", "✘"
 
 
 def support_table(specs: Sequence[BackendSpec], devices: Sequence[str] = ("cpu", "cuda")) -> str:
-    """The seed docs' table (operation × backend × device) as Markdown, and a last row:
+    """torch.distributed's 2017 docs' table (operation × backend × device) as Markdown, and a last row:
     whether torch.distributed can use the backend (``tdist-<name>``, see ``BackendSpec.torch_bridge``)."""
     header = ["Backend"] + [f"`{s.name}` {d.upper() if d == 'cpu' else 'GPU'}" for s in specs for d in devices]
     rows = [header, ["---"] * len(header)]

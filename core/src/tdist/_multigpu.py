@@ -1,4 +1,4 @@
-"""The multi-GPU collectives of the seed docs: one tensor per local device.
+"""The multi-GPU collectives of torch.distributed's 2017 docs: one tensor per local device.
 
 A backend may implement them natively (NCCL group calls) by defining a method
 of the same name; otherwise the core composes them from the single-tensor

@@ -21,7 +21,7 @@ from ``PET_*`` variables), and every worker gets the variables torchrun sets::
         --rdzv-endpoint=192.168.1.1:29400 --rdzv-id=job42 train.py
 
 ``python -m tdist.launch`` is ``torch.distributed.launch``: the same launcher, which also
-passes ``--local_rank=N`` to the script (the spelling of the seed, unlike torch 2.x's
+passes ``--local_rank=N`` to the script (the spelling of torch.distributed's 2017 launcher, unlike torch 2.x's
 ``--local-rank``) unless ``--use_env`` is given. ``--local-rank-arg local-rank`` passes
 torch 2.x's ``--local-rank=N`` instead, with either launcher (``tdistrun`` passes no
 argument unless asked, as torchrun). Accept both spellings in a script::

@@ -1,4 +1,4 @@
-"""The programs of "Writing Distributed Applications with PyTorch" (seeds/dist_tuto.rst),
+"""The programs of "Writing Distributed Applications with PyTorch" (pytorch/tutorials: intermediate_source/dist_tuto.rst),
 verbatim apart from the import (``dist`` is the module under test), run as bodies.
 
 The MNIST data of the distributed SGD example is replaced by a small synthetic

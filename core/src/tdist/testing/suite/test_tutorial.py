@@ -1,4 +1,4 @@
-"""The tutorial's programs (seeds/dist_tuto.rst) run with the module under test."""
+"""The tutorial's programs ("Writing Distributed Applications with PyTorch") run with the module under test."""
 from tdist.testing import collect
 
 collect(globals(), suite="tutorial")
