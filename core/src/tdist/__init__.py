@@ -92,7 +92,7 @@ from ._work import Work
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
 from ._torch import register_with_torch as _register_with_torch
 
-from ._version import __version__
+from ._version import __version__ as __version__
 
 _register_with_torch()  # torch.distributed.init_process_group("tdist-tcp") works after `import tdist`
 

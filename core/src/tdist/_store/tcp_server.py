@@ -233,7 +233,7 @@ class TCPStoreServer:
             if (family, addr[0]) not in seen:
                 seen.add((family, addr[0]))
                 addrs.append((family, socktype, proto, addr))
-        for attempt in range(8):  # port 0 on several addresses: another process may hold the port on one
+        for _attempt in range(8):  # port 0 on several addresses: another process may hold the port on one
             try:
                 return self._bind_all(addrs)
             except _PortTaken:

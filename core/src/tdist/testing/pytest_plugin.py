@@ -123,7 +123,7 @@ class WorldPool:
         try:
             sizes = [int(x) for x in str(raw).split(",") if x.strip()]
         except ValueError:
-            raise pytest.UsageError(f"--tdist-world-sizes: expected comma-separated integers, got {raw!r}")
+            raise pytest.UsageError(f"--tdist-world-sizes: expected comma-separated integers, got {raw!r}") from None
         if not sizes or any(s < 1 for s in sizes):
             raise pytest.UsageError(f"--tdist-world-sizes: sizes must be >= 1, got {raw!r}")
         return sizes

@@ -137,7 +137,7 @@ def _start() -> Runtime:
             try:
                 MPI.Init_thread(MPI.THREAD_MULTIPLE)
             except MPI.Exception as exc:
-                raise mpi_error("MPI_Init_thread", exc)
+                raise mpi_error("MPI_Init_thread", exc) from exc
             import atexit
 
             atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())

@@ -91,7 +91,7 @@ class MPIBackend(Backend):
             with self._lock:
                 req = call()
         except MPIException as exc:
-            raise mpi_error(operation, exc)
+            raise mpi_error(operation, exc) from exc
         return MPIWork(operation, req, self._t, outputs, finalize, keep, status, self._wlock)
 
     def _plan(self, dtype: torch.dtype, op: Reduction, operation: str) -> Plan:
@@ -174,7 +174,7 @@ class MPIBackend(Backend):
                     with self._wlock:
                         req = self._comm.Iallreduce(self._IN_PLACE, [buf, plan.dt], plan.op)
             except MPIException as exc:
-                raise mpi_error("all_reduce", exc)
+                raise mpi_error("all_reduce", exc) from exc
             return MPIWork("all_reduce", req, self._t, (tensor,), None, None, None, self._wlock)
         target = tensor.detach()
         work = target.to(plan.stage) if plan.stage is not None else target
@@ -450,7 +450,7 @@ def create_backend(
                     world_group.Free()
             comm.Set_errhandler(MPI.ERRORS_RETURN)
     except MPI.Exception as exc:
-        raise mpi_error("creating the group's communicator", exc)
+        raise mpi_error("creating the group's communicator", exc) from exc
     if comm.Get_rank() != rank:
         comm.Free()
         raise DistBackendError(f"mpi backend: communicator rank {comm.Get_rank()} differs from group rank {rank}")

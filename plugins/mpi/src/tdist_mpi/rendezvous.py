@@ -134,7 +134,7 @@ def mpi_rendezvous(
             addr, _, port_text = message.rpartition(":")
             store = TCPStore(addr, int(port_text), n, is_master=False, timeout=limit, wait_for_workers=False)
     except MPI.Exception as exc:
-        raise mpi_error("mpi:// rendezvous", exc)
+        raise mpi_error("mpi:// rendezvous", exc) from exc
     if group_name:
         store = PrefixStore(f"job/{group_name}", store)
     return store, me, n
