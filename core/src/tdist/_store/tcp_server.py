@@ -312,9 +312,9 @@ class TCPStoreServer:
             self._close(conn)
         for sock in self._listeners:
             sock.close()
-        for sock in (self._wake_r, self._wake_w):
-            if sock is not None:
-                sock.close()
+        for wake in (self._wake_r, self._wake_w):
+            if wake is not None:
+                wake.close()
         if self._sel is not None:
             self._sel.close()
 

@@ -41,7 +41,7 @@ class TorchStore(Store):
         own = getattr(store, "timeout", None)
         default = timeout if timeout is not None else own
         super().__init__(default if default is not None else timedelta(seconds=300))
-        self.torch_store = store
+        self.torch_store: Any = store  # torch's stubs miss half of Store's methods and type values as str
         if timeout is not None:
             store.set_timeout(self.timeout)
 
@@ -212,7 +212,7 @@ def _torch_store_class() -> Any:
         def barrier(self, key: str, world_size: int, timeout: Optional[timedelta] = None) -> None:
             self._call("barrier", key, world_size, timeout)
 
-        def clone(self) -> "TdistBackedStore":
+        def clone(self) -> "torch.distributed.Store":
             return as_torch_store(self._call("clone"))  # kept alive: torch's C++ side may be its only holder
 
         def queue_push(self, key: str, value: Any) -> None:

@@ -99,7 +99,7 @@ def forget_all(groups: Sequence[ProcessGroup]) -> None:
     tdist's and torch is not already destroying it."""
     mirrors = [pg.torch_group for pg in groups if pg.torch_group is not None]
     world_mirror = torch_dist.GroupMember.WORLD
-    destroy_torch = any(m is world_mirror and not m.closing for m in mirrors)
+    destroy_torch = any(m is world_mirror for m in mirrors if not m.closing)
     for m in mirrors:
         m.closing = True
     if destroy_torch:

@@ -20,7 +20,7 @@ the attributes tdist's group has (``ranks``, ``backends``, ``specs``, ``store``,
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as torch_dist
@@ -55,7 +55,7 @@ class _Finished(BridgeWork):
 _FINISHED = _Finished(Work.completed("finished"), ())
 
 _TORCH_REDUCE_OP = torch_dist.ReduceOp
-_RED = _TORCH_REDUCE_OP.RedOpType
+_RED: Any = _TORCH_REDUCE_OP.RedOpType  # pybind enum: torch's stubs do not list its members
 _PLAIN = {
     _RED.SUM: ReduceOp.SUM, _RED.PRODUCT: ReduceOp.PRODUCT, _RED.MIN: ReduceOp.MIN, _RED.MAX: ReduceOp.MAX,
     _RED.BAND: ReduceOp.BAND, _RED.BOR: ReduceOp.BOR, _RED.BXOR: ReduceOp.BXOR, _RED.AVG: ReduceOp.AVG,
@@ -73,7 +73,8 @@ def _kind(op: Any) -> int:
     """The integer value of torch's ``ReduceOp`` (or ``ReduceOp.RedOpType``) ``op``."""
     if _HASH_IS_KIND:
         return hash(op)
-    return (op.op if type(op) is _TORCH_REDUCE_OP else op).value
+    inner: Any = op.op if type(op) is _TORCH_REDUCE_OP else op  # type: ignore[attr-defined]  # not in the stubs
+    return inner.value
 
 
 def as_reduction(op: Any) -> Reduction:
@@ -106,7 +107,10 @@ def _device(tensor: torch.Tensor) -> str:
     return "cpu" if tensor.is_cpu else tensor.device.type
 
 
-def _one(tensors: Sequence[torch.Tensor], operation: str) -> torch.Tensor:
+_T = TypeVar("_T")
+
+
+def _one(tensors: Sequence[_T], operation: str) -> _T:
     if len(tensors) != 1:
         raise ValueError(f"{operation}: tdist's groups take one tensor per call, got {len(tensors)}")
     return tensors[0]
@@ -123,7 +127,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
     torch reports (``tdist-tcp``)."""
 
     def __init__(self, group: ProcessGroup, backend_name: str) -> None:
-        super().__init__(group.rank, group.size)
+        super().__init__(group.rank, group.size)  # type: ignore[call-arg]  # the stubs list only (store, rank, size)
         self.tdist_group = group
         self._backend_name = backend_name
         self.closing = False
@@ -158,7 +162,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
     _set_group_desc = setGroupDesc
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]  # torch's GroupName is a str
         return self._group_name
 
     @property
@@ -219,7 +223,10 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         if not work.is_completed():
             key = id(work)
             self._in_flight[key] = (work, outputs, tensors)
-            work.add_done_callback(lambda _done: self._in_flight.pop(key, None))
+            def _forget(_done: Work) -> None:
+                self._in_flight.pop(key, None)
+
+            work.add_done_callback(_forget)
         return BridgeWork(work, outputs)
 
     def _each(self, operation: str, works: list[Work], outputs: Sequence[Any]) -> BridgeWork:
@@ -228,7 +235,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
     # ------------------------------------------------------------- collectives
     # torch checks less than tdist's API does (it leaves roots, list lengths and sizes to
     # its backends), so the arguments are checked here as tdist.all_gather & co. check them.
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:  # type: ignore[override]
         # The hot path (DDP's buckets, every all_reduce): the helpers inlined.
         tensor = tensors[0] if len(tensors) == 1 else _one(tensors, "all_reduce")
         reduction = checked_reduction(opts, tensor.dtype, "all_reduce")
@@ -246,7 +253,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         assert work is not None
         return self._bridge(StagedWork(work, list(zip(checked, _pieces(flat, checked)))), tensors, (flat,))
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:  # type: ignore[override]
         tensor = _one(tensors, "broadcast")
         root = check_root("broadcast", self.tdist_group, "src", opts.rootRank if opts is not None else 0)
         copies: list = []
@@ -254,7 +261,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         return self._run("broadcast", _device(tensor), lambda b: b.broadcast(t, root), tensors, (tensor,), copies,
                          opts)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:  # type: ignore[override]
         tensor = _one(tensors, "reduce")
         reduction = checked_reduction(opts, tensor.dtype, "reduce")
         root = check_root("reduce", self.tdist_group, "dst", opts.rootRank if opts is not None else 0)
@@ -263,7 +270,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         return self._run("reduce", _device(tensor), lambda b: b.reduce(t, root, reduction), tensors, (tensor,),
                          copies, opts)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> BridgeWork:
         tensor = _one(input_tensors, "all_gather")
         outputs = check_tensor_list("all_gather", "tensor_list", _one(output_tensors, "all_gather"),
@@ -313,7 +320,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
             )
         return None
 
-    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                opts: Any = None) -> BridgeWork:
         tensor = _one(input_tensors, "gather")
         root = check_root("gather", self.tdist_group, "dst", opts.rootRank if opts is not None else 0)
@@ -324,7 +331,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         return self._run("gather", _device(tensor), lambda b: b.gather(t, staged, root), output_tensors,
                          (tensor,), copies, opts)
 
-    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                 opts: Any = None) -> BridgeWork:
         tensor = _one(output_tensors, "scatter")
         root = check_root("scatter", self.tdist_group, "src", opts.rootRank if opts is not None else 0)
@@ -335,7 +342,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         return self._run("scatter", _device(tensor), lambda b: b.scatter(t, inputs, root), output_tensors,
                          (tensor,), copies, opts)
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                        opts: Any = None) -> BridgeWork:
         output = _one(output_tensors, "reduce_scatter")
         reduction = checked_reduction(opts, output.dtype, "reduce_scatter")
@@ -451,7 +458,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
 
     # torch 2.x's older spellings of the same operations.
     _allgather_base = all_gather_single
-    _reduce_scatter_base = reduce_scatter_single
-    alltoall_base = all_to_all_single
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]

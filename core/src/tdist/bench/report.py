@@ -64,7 +64,7 @@ def table(results: Sequence[dict], backends: Sequence[str], reference: Optional[
             head += f" | {b + ' time':>12} {'busbw':>9}"
         others = [b for b in present if b != ref] if ref else []
         for b in others:
-            head += f" | {b + '/' + ref:>10}"
+            head += f" | {f'{b}/{ref}':>10}"
         lines.append(f"{op}, {world} ranks (float32; time per call, bus bandwidth in GB/s)")
         lines.append(head)
         lines.append("-" * len(head))
@@ -74,7 +74,7 @@ def table(results: Sequence[dict], backends: Sequence[str], reference: Optional[
                 r = by.get((b, n))
                 line += f" | {_fmt_time(r['time_s']):>12} {r['busbw_GBps']:>9.3f}" if r else f" | {'-':>12} {'':>9}"
             for b in others:
-                r, g = by.get((b, n)), by.get((ref, n))  # type: ignore[arg-type]
+                r, g = by.get((b, n)), by.get((ref, n))
                 line += f" | {r['time_s'] / g['time_s']:>9.2f}x" if r and g else f" | {'-':>10}"
             lines.append(line)
         lines.append("")

@@ -314,7 +314,7 @@ def run(cfg: dict, rank: int, world: int, under_mpi: bool) -> list[dict]:
     progress = cfg.get("progress", False) and rank == 0
     for op in cfg["ops"]:
         for nbytes in cfg["sizes"]:
-            prepared = []
+            prepared: list = []
             for ad in adapters:
                 fn, checker = ad.prepare(op, nbytes)
                 error = checker() if check else None

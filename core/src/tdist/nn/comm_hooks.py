@@ -16,7 +16,7 @@ default group).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ class GradBucket:
     __slots__ = ("_index", "_buffer", "_parameters", "_offsets", "_is_last")
 
     def __init__(
-        self, index: int, buffer: torch.Tensor, parameters: list[torch.Tensor], offsets: list[int], is_last: bool
+        self, index: int, buffer: torch.Tensor, parameters: Sequence[torch.Tensor], offsets: list[int], is_last: bool
     ) -> None:
         self._index = index
         self._buffer = buffer
@@ -82,6 +82,7 @@ def allreduce_hook(process_group: Any, bucket: GradBucket) -> torch.futures.Futu
     buffer = bucket.buffer()
     buffer.div_(dist.get_world_size(process_group))
     work = dist.all_reduce(buffer, group=process_group, async_op=True)
+    assert work is not None  # DDP's processes are members of its group
     return work.get_future().then(lambda _: buffer)
 
 
@@ -89,6 +90,7 @@ def _compressed_allreduce(process_group: Any, bucket: GradBucket, dtype: torch.d
     buffer = bucket.buffer()
     compressed = buffer.to(dtype).div_(dist.get_world_size(process_group))
     work = dist.all_reduce(compressed, group=process_group, async_op=True)
+    assert work is not None  # DDP's processes are members of its group
 
     def decompress(_: Any) -> torch.Tensor:
         buffer.copy_(compressed)

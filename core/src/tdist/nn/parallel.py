@@ -213,7 +213,7 @@ class DistributedDataParallel(nn.Module):
         self.device_ids = list(device_ids) if device_ids else None
         self.device = torch.device(self.device_ids[0]) if self.device_ids else None
         if isinstance(self.device, torch.device) and self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", int(self.device_ids[0]))  # type: ignore[index]
+            self.device = torch.device("cuda", int(self.device_ids[0]))
         self.output_device = output_device
         self.dim = dim
         self.broadcast_buffers = broadcast_buffers

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 __all__ = [
     "DIST_MODULE_ENV",
@@ -71,7 +71,7 @@ class LazyDist:
 dist = LazyDist()
 
 
-def fn_ref(fn: Callable[..., Any]) -> str:
+def fn_ref(fn: Union[Callable[..., Any], str]) -> str:
     """``module:qualname`` of a module-level function (what workers import)."""
     if isinstance(fn, str):
         return fn

@@ -112,9 +112,10 @@ def describe_exception(exc: BaseException, tb: Any = None) -> dict:
     mro = []
     for cls in type(exc).__mro__:
         mro.append(f"{cls.__module__}.{cls.__qualname__}")
+    pickled: Optional[bytes]
     try:
-        pickled: Optional[bytes] = pickle.dumps(exc)
-        pickle.loads(pickled)
+        pickled = pickle.dumps(exc)
+        pickle.loads(pickled)  # only an exception that survives the round trip is sent whole
     except Exception:
         pickled = None
     return {

@@ -148,7 +148,7 @@ def gather(group: str = "world", async_op: bool = False):
     for dst in s.members:
         gather_list = [torch.full((3,), -1.0) for _ in range(s.size)] if s.rank == dst else None
         issue(s, dist.gather, value(s.rank, 3, salt=dst), gather_list=gather_list, dst=dst, async_op=async_op)
-        if s.rank == dst:
+        if gather_list is not None:  # this rank is dst
             for i, m in enumerate(s.members):
                 assert_tensor(gather_list[i], value(m, 3, salt=dst), f"gather to {dst}, entry {i}")
 

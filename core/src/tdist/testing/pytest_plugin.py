@@ -77,7 +77,7 @@ def pytest_configure(config: Any) -> None:
                             "arguments of the tdist_cluster fixture's Cluster")
     if not config.pluginmanager.hasplugin("timeout"):
         config.addinivalue_line("markers", "timeout(seconds): per-test time limit (needs pytest-timeout)")
-    config._tdist_pool = WorldPool(config)  # type: ignore[attr-defined]
+    config._tdist_pool = WorldPool(config)
 
 
 def pytest_unconfigure(config: Any) -> None:
@@ -209,7 +209,7 @@ def pytest_collection_modifyitems(config: Any, items: list) -> None:
 def tdist_world(request: Any) -> Any:
     """A started World for (backend, world size); shut down when the session moves on."""
     backend, world_size = getattr(request, "param", (None, None))
-    if backend is None:
+    if backend is None or world_size is None:
         pytest.fail("tdist_world is parametrized by the tdist plugin (pytest_generate_tests)", pytrace=False)
     pool = _pool(request.config)
     world = pool.get(backend, world_size)

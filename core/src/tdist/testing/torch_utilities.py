@@ -193,9 +193,9 @@ def distributed_sampler() -> None:
     from torch.utils.data.distributed import DistributedSampler
 
     r, n = dist.get_rank(), dist.get_world_size()
-    dataset = list(range(11))
-    mine = list(DistributedSampler(dataset, seed=3))
-    explicit = list(DistributedSampler(dataset, num_replicas=n, rank=r, seed=3))
+    dataset: Any = list(range(11))  # any sized sequence is a map-style dataset
+    mine: list[int] = list(DistributedSampler(dataset, seed=3))
+    explicit: list[int] = list(DistributedSampler(dataset, num_replicas=n, rank=r, seed=3))
     assert_equal(mine, explicit, "DistributedSampler(ds) indices vs num_replicas/rank given")
     everyone: list = [None] * n
     dist.all_gather_object(everyone, mine)
@@ -215,7 +215,7 @@ def _branchy() -> Any:
     """A model with a layer its forward never uses."""
     nn = _torch().nn
 
-    class Branchy(nn.Module):
+    class Branchy(nn.Module):  # type: ignore[name-defined]  # nn is torch.nn, imported lazily
         def __init__(self) -> None:
             super().__init__()
             self.net, self.unused = _mlp(), nn.Linear(OUTPUTS, OUTPUTS)
