@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from ._backend import Backend
 from ._errors import DistError
 from ._groups import ProcessGroup
-from ._observe import describe, failed, observe
+from ._observe import completed, describe, failed, issued, watch
 from ._plugins import plugins
 from ._work import Timeout, Work
 
@@ -119,27 +119,34 @@ def issue(
     backend = pg.backend_for(device, operation)
     seq = pg.next_p2p_seq() if operation in POINT_TO_POINT else pg.next_seq()
     if not plugins().observes_work:
-        return _run(pg, operation, call, backend, async_op, copies)
+        work = _start(pg, operation, call, backend, copies)
+        if async_op:
+            return work
+        work.wait()
+        return None
     info = describe(pg, operation, seq, tensors, reduction, root, peer, tag)
+    issued(info)
     try:
-        return _run(pg, operation, call, backend, async_op, copies, lambda work: observe(work, info))
-    except Exception as error:  # raised while issuing, or a blocking wait that timed out
+        work = _start(pg, operation, call, backend, copies)
+        if async_op:
+            watch(work, info)
+            return work
+        work.wait()
+    except Exception as error:  # raised while issuing, failed, or a blocking wait that timed out
         failed(info, error)
         raise
+    completed(info)
+    return None
 
 
-def _run(
-    pg: ProcessGroup, operation: str, call: Callable[[Backend], Work], backend: Backend, async_op: bool,
-    copies: Sequence[tuple["torch.Tensor", "torch.Tensor"]], issued: Optional[Callable[[Work], None]] = None,
-) -> Optional[Work]:
+def _start(
+    pg: ProcessGroup, operation: str, call: Callable[[Backend], Work], backend: Backend,
+    copies: Sequence[tuple["torch.Tensor", "torch.Tensor"]],
+) -> Work:
+    """Call the backend; its Work (wrapped to copy staged outputs back when needed)."""
     work = call(backend)
     if not isinstance(work, Work):
         raise DistError(f"{operation}: backend {pg.backend_name!r} returned {type(work).__name__}, not a tdist.Work")
     if copies:
         work = StagedWork(work, list(copies))
-    if issued is not None:
-        issued(work)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return work

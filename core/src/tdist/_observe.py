@@ -1,8 +1,8 @@
 """Telling the work hooks about operations: the one place the core fires them.
 
-:func:`describe` builds the :class:`WorkInfo` of an operation, :func:`observe` fires
-``tdist_work_issued`` and, once the Work is done, ``tdist_work_completed`` or
-``tdist_work_failed``; :func:`failed` reports an operation that failed outside its Work
+:func:`describe` builds the :class:`WorkInfo` of an operation, :func:`issued` fires
+``tdist_work_issued``, :func:`completed` ``tdist_work_completed`` (a blocking call that
+returned), :func:`watch` either completion hook once an asynchronous Work is done; :func:`failed` reports an operation that failed outside its Work
 (the backend raised while issuing it, or a blocking wait timed out); :func:`rejected`
 wraps a public operation so that an error raised before the operation was issued (bad
 arguments) reaches ``tdist_work_failed`` too. With no plugin observing work, none of
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ._groups import ProcessGroup
     from ._work import Work
 
-__all__ = ["describe", "observe", "failed", "rejected"]
+__all__ = ["describe", "issued", "completed", "watch", "failed", "rejected"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 #: Set on an error the hooks have seen, so that :func:`rejected` does not report it again.
@@ -35,20 +35,17 @@ def describe(
     reduction: Any = None, root: Optional[int] = None, peer: Optional[int] = None, tag: Optional[int] = None,
 ) -> WorkInfo:
     """The WorkInfo of ``operation`` on ``pg``; ``root`` and ``peer`` are group ranks."""
+    ranks = pg.ranks
+    if len(tensors) == 1:  # the common case, without the generators' cost
+        tensor = tensors[0]
+        shapes, dtype, nbytes = [tensor.shape], str(tensor.dtype), tensor.nbytes
+    else:
+        shapes = [t.shape for t in tensors]
+        dtype, nbytes = str(tensors[0].dtype) if tensors else "", sum(t.nbytes for t in tensors)
     return WorkInfo(
-        op=operation,
-        group=pg.name,
-        seq=seq,
-        shapes=[tuple(t.shape) for t in tensors],
-        dtype=str(tensors[0].dtype) if tensors else "",
-        nbytes=sum(t.numel() * t.element_size() for t in tensors),
-        backend=pg.backend_name,
-        rank=pg.ranks[pg.rank],
-        group_ranks=tuple(pg.ranks),
-        reduce_op=None if reduction is None else reduction.name,
-        root=None if root is None else pg.ranks[root],
-        peer=None if peer is None else pg.ranks[peer],
-        tag=tag,
+        operation, pg.name, seq, shapes, dtype, nbytes, pg.backend_name, time.perf_counter(), ranks[pg.rank], tuple(ranks),
+        None if reduction is None else reduction.name, None if root is None else ranks[root],
+        None if peer is None else ranks[peer], tag,
     )
 
 
@@ -67,10 +64,19 @@ def failed(info: WorkInfo, error: BaseException) -> None:
     plugins().work_failed(info, error, time.perf_counter() - info.issued_at)
 
 
-def observe(work: "Work", info: WorkInfo) -> None:
-    """Fire ``tdist_work_issued`` now and the completion hook when ``work`` is done."""
+def issued(info: WorkInfo) -> None:
+    """Fire ``tdist_work_issued`` (before the backend is called)."""
+    plugins().work_issued(info)
+
+
+def completed(info: WorkInfo) -> None:
+    """Fire ``tdist_work_completed`` for an operation that has just succeeded."""
+    plugins().work_completed(info, time.perf_counter() - info.issued_at)
+
+
+def watch(work: "Work", info: WorkInfo) -> None:
+    """Fire the completion hook (or the failure one) when ``work`` is done."""
     hooks = plugins()
-    hooks.work_issued(info)
 
     def _done(done: "Work") -> None:
         error = done.exception()

@@ -1,7 +1,9 @@
 """The flight recorder: the last N operations of this rank, in a ring buffer.
 
-Recording an operation costs a list store and a dict insert (the core builds the
-:class:`tdist.WorkInfo` only while some plugin observes work). A dump writes the
+Recording an operation costs a tuple of its description, a few stores into
+preallocated arrays and a dict insert (the core builds the :class:`tdist.WorkInfo`
+only while some plugin observes work); nothing recorded is tracked by the garbage
+collector, so a full ring does not slow collections down. A dump writes the
 ring, oldest first, with this rank's groups, to ``<dump dir>/rank<R>.json``
 (replaced atomically); with tracing on, every operation also goes to
 ``trace-rank<R>.json`` in Chrome's trace-event format (chrome://tracing, Perfetto).
@@ -9,6 +11,7 @@ ring, oldest first, with this rank's groups, to ``<dump dir>/rank<R>.json``
 
 from __future__ import annotations
 
+import array
 import atexit
 import itertools
 import json
@@ -19,85 +22,125 @@ import threading
 import time
 from typing import Any, Optional
 
-from .settings import Settings
+from .settings import Settings, enabled_by_env
 
 __all__ = ["Recorder", "current", "enable", "start", "DUMP_FORMAT"]
 
 #: The ``format`` field of every dump (the analyser checks it).
 DUMP_FORMAT = "tdist-debug/1"
 _TIMEOUT_WORDS = ("timeout", "timed out", "did not complete within")
+#: The fields of a record, in order (a record is a tuple of plain values: the garbage
+#: collector stops tracking it, so a full ring costs no collection time).
+FIELDS = ("op", "group", "seq", "group_ranks", "shapes", "dtype", "nbytes", "backend", "reduce_op", "root", "peer",
+          "tag", "issued_time")
+_PENDING = -1.0
 
 
-class _Entry:
-    """One recorded operation; ``duration`` and ``error`` are set when it ends."""
+def _record(info: Any) -> tuple:
+    shapes = info.shapes
+    return (info.op, info.group, info.seq, info.group_ranks,
+            (tuple(shapes[0]),) if len(shapes) == 1 else tuple([tuple(s) for s in shapes]),
+            info.dtype, info.nbytes, info.backend, info.reduce_op, info.root, info.peer, info.tag, info.issued_time)
 
-    __slots__ = ("index", "info", "duration", "error")
 
-    def __init__(self, index: int, info: Any) -> None:
-        self.index = index
-        self.info = info
-        self.duration: Optional[float] = None
-        self.error: Optional[str] = None
-
-    def state(self) -> str:
-        if self.error is not None:
-            return "failed"
-        return "pending" if self.duration is None else "completed"
-
-    def as_dict(self, now: float) -> dict[str, Any]:
-        info = self.info
-        return {
-            "op": info.op, "group": info.group, "seq": info.seq, "group_ranks": list(info.group_ranks),
-            "shapes": [list(s) for s in info.shapes], "dtype": info.dtype, "nbytes": info.nbytes,
-            "backend": info.backend, "reduce_op": info.reduce_op, "root": info.root, "peer": info.peer,
-            "tag": info.tag, "issued_time": info.issued_time, "state": self.state(),
-            "duration": self.duration if self.duration is not None else (
-                None if self.error is not None else now - info.issued_time),
-            "error": self.error,
-        }
+def _as_dict(record: tuple, duration: float, error: Optional[str], now: float) -> dict[str, Any]:
+    entry = dict(zip(FIELDS, record))
+    entry["group_ranks"] = list(entry["group_ranks"])
+    entry["shapes"] = [list(s) for s in entry["shapes"]]
+    entry["state"] = "failed" if error is not None else ("pending" if duration == _PENDING else "completed")
+    entry["duration"] = now - entry["issued_time"] if entry["state"] == "pending" else duration
+    entry["error"] = error
+    return entry
 
 
 class Recorder:
-    """The last ``settings.capacity`` operations of this process, and its groups."""
+    """The last ``settings.capacity`` operations of this process, and its groups.
+
+    Slot ``i % capacity`` of the ring holds operation ``i``: its record, its duration
+    (-1 while pending) and, for a failure, its error in ``_errors``.
+    """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._ring: list[Optional[_Entry]] = [None] * settings.capacity
+        self._capacity = capacity = settings.capacity
+        self._records: list[Optional[tuple]] = [None] * capacity
+        self._durations = array.array("d", [_PENDING]) * capacity
+        self._indices = array.array("q", [-1]) * capacity
+        self._errors: dict[int, str] = {}
         self._count = itertools.count()
-        self._pending: dict[int, _Entry] = {}
-        self._trace: Optional[list[_Entry]] = [] if settings.trace else None
+        self._pending: dict[int, int] = {}
+        self._trace: Optional[list[tuple[int, tuple]]] = [] if settings.trace else None
+        self._trace_ends: dict[int, tuple[float, Optional[str]]] = {}
         self.groups: dict[str, dict[str, Any]] = {}
         self.rank: Optional[int] = None
         self._dump_lock = threading.Lock()
 
     # ------------------------------------------------------------ recording
-    def issued(self, info: Any) -> None:
+    def _add(self, info: Any) -> int:
         index = next(self._count)
-        entry = _Entry(index, info)
-        self._ring[index % self.settings.capacity] = entry
-        self._pending[id(info)] = entry
+        slot = index % self._capacity
+        record = _record(info)
+        self._records[slot] = record
+        self._durations[slot] = _PENDING
+        self._indices[slot] = index
         if self._trace is not None:
-            self._trace.append(entry)
+            self._trace.append((index, record))
+        return index
+
+    def _end(self, index: int, duration: float, error: Optional[str] = None) -> None:
+        slot = index % self._capacity
+        if self._indices[slot] == index:
+            self._durations[slot] = duration
+            if error is not None:
+                self._errors[index] = error
+                if len(self._errors) > self._capacity:  # forget errors whose slots were reused
+                    oldest = self._indices[(slot + 1) % self._capacity]
+                    self._errors = {i: e for i, e in self._errors.items() if i >= oldest}
+        if self._trace is not None:
+            self._trace_ends[index] = (duration, error)
+
+    def issued(self, info: Any) -> None:
+        self._pending[id(info)] = self._add(info)
 
     def completed(self, info: Any, duration: float) -> None:
-        entry = self._pending.pop(id(info), None)
-        if entry is not None:
-            entry.duration = duration
+        index = self._pending.pop(id(info), None)
+        if index is not None:
+            self._end(index, duration)
+
+    def fast_hooks(self) -> tuple[Any, Any]:
+        """(issued, completed) doing what :meth:`issued` and :meth:`completed` do, with
+        the ring in closure variables: the per-operation path, without tracing."""
+        count, capacity, records, durations, indices = self._count, self._capacity, self._records, \
+            self._durations, self._indices
+        pending, pop = self._pending, self._pending.pop
+
+        def issued(info: Any) -> None:
+            index = next(count)
+            slot = index % capacity
+            records[slot] = _record(info)
+            durations[slot] = _PENDING
+            indices[slot] = index
+            pending[id(info)] = index
+
+        def completed(info: Any, duration: float) -> None:
+            index = pop(id(info), None)
+            if index is not None and indices[index % capacity] == index:
+                durations[index % capacity] = duration
+
+        return issued, completed
 
     def failed(self, info: Any, error: BaseException, duration: float = 0.0) -> None:
         """Record the failure; an operation that was issued (``seq`` > 0) also dumps."""
-        entry = self._pending.pop(id(info), None)
-        if entry is None:  # rejected before it was issued: recorded, not dumped
-            index = next(self._count)
-            entry = _Entry(index, info)
-            self._ring[index % self.settings.capacity] = entry
-        entry.duration, entry.error = duration, f"{type(error).__name__}: {error}"
+        index = self._pending.pop(id(info), None)
+        if index is None:  # rejected before it was issued: recorded, not dumped
+            index = self._add(info)
+        text = f"{type(error).__name__}: {error}"
+        self._end(index, duration, text)
         if self.rank is None and info.rank >= 0:
             self.rank = info.rank
         if info.seq > 0:
-            text = str(error).lower()
-            kind = "timed out" if any(w in text for w in _TIMEOUT_WORDS) else "failed"
-            self.dump(f"{info.op} #{info.seq} of group {info.group} {kind}: {entry.error}")
+            kind = "timed out" if any(w in text.lower() for w in _TIMEOUT_WORDS) else "failed"
+            self.dump(f"{info.op} #{info.seq} of group {info.group} {kind}: {text}")
 
     def group_created(self, name: str, ranks: list[int], rank: int, backend: str) -> None:
         self.groups[name] = {"ranks": list(ranks), "backend": backend, "destroyed": False}
@@ -108,9 +151,21 @@ class Recorder:
             self.groups[name]["destroyed"] = True
 
     # ------------------------------------------------------------ output
-    def entries(self) -> list[_Entry]:
-        """The recorded operations, oldest first."""
-        return sorted((e for e in list(self._ring) if e is not None), key=lambda e: e.index)
+    def entries(self, now: float) -> list[dict[str, Any]]:
+        """The recorded operations, oldest first, as dictionaries."""
+        slots = sorted((i, slot) for slot, i in enumerate(list(self._indices)) if i >= 0)
+        errors = dict(self._errors)
+        found = []
+        for index, slot in slots:
+            record, duration = self._records[slot], self._durations[slot]
+            if record is not None and self._indices[slot] == index:
+                found.append(_as_dict(record, duration, errors.get(index), now))
+        return found
+
+    def traced(self, now: float) -> list[dict[str, Any]]:
+        """Every operation since the start (tracing on), as dictionaries."""
+        ends = dict(self._trace_ends)
+        return [_as_dict(record, *ends.get(index, (_PENDING, None)), now) for index, record in list(self._trace or ())]
 
     def _rank(self) -> int:
         if self.rank is not None:
@@ -129,12 +184,12 @@ class Recorder:
             data = {
                 "format": DUMP_FORMAT, "rank": self._rank(), "pid": os.getpid(), "host": socket.gethostname(),
                 "time": now, "reason": reason, "capacity": self.settings.capacity, "groups": self.groups,
-                "entries": [e.as_dict(now) for e in self.entries()],
+                "entries": self.entries(now),
             }
             path = self._path("rank")
             _write_json(path, data)
             if self._trace is not None:
-                _write_json(self._path("trace-rank"), trace_events(self._rank(), [e.as_dict(now) for e in self._trace]))
+                _write_json(self._path("trace-rank"), trace_events(self._rank(), self.traced(now)))
             return path
 
 
@@ -199,11 +254,14 @@ def _install(signum: signal.Signals, action: Any, then_default: bool) -> None:
 
 
 def enable(capacity: int = 2000, dump_dir: str = "tdist-debug", at_exit: bool = False, trace: bool = False) -> Recorder:
-    """Turn the recorder on in this process (as ``TDIST_DEBUG_RECORDER`` does at start)."""
+    """Turn the recorder on in this process (as ``TDIST_DEBUG_RECORDER`` does when the
+    plugins load); the running recorder if it is on already."""
     from tdist._plugins import plugins
 
-    from . import hooks
+    from .hooks import recorder_plugin
 
     recorder = start(Settings(capacity, dump_dir, at_exit, trace))
-    plugins().register(hooks, "tdist-debug-recorder")
+    loaded = plugins()
+    if not enabled_by_env() and not any(r.name == "tdist-debug-recorder" for r in loaded.records):
+        loaded.register(recorder_plugin(recorder), "tdist-debug-recorder")  # else its hooks are in already
     return recorder
