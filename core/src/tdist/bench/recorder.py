@@ -10,6 +10,7 @@ per op (target <= 2 us); recorder - null is the recorder's own share.
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import types
 from typing import Any
@@ -71,6 +72,7 @@ def recorder_overhead(iters: int = 20000, repeats: int = 7) -> dict[str, Any]:
     finally:
         reset_plugins()
         tdist.destroy_process_group()
+        shutil.rmtree(dump_dir, ignore_errors=True)
     us = {state: statistics.median(values) * 1e6 for state, values in wall.items()}
     cpu_us = {state: statistics.median(values) * 1e6 for state, values in cpu.items()}
     return {"iters": iters, "repeats": repeats, **{f"{s}_us": v for s, v in us.items()},
