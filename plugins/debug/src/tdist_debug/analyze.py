@@ -126,10 +126,14 @@ def _stuck(group: str, members: list[int], by_rank: dict[int, dict[int, dict[str
                          "(stopped, killed or stuck where it could not write one)")
             continue
         last = max(by_rank.get(rank, {}), default=0)
-        if last:
+        if last and by_rank[rank][last]["state"] != "completed":
+            previous = by_rank[rank][last]
+            lines.append(f"rank {rank} NEVER ENTERED collective #{top} of group {group}: it is still in "
+                         f"{previous['op']} #{last}, which {previous['state'] == 'failed' and 'failed' or 'is pending'}")
+        elif last:
             previous = by_rank[rank][last]
             lines.append(f"rank {rank} NEVER ENTERED collective #{top} of group {group}: its last collective there "
-                         f"is {previous['op']} #{last} ({previous['state']}); it issued {top - last} fewer "
+                         f"is {previous['op']} #{last} (completed); it issued {top - last} fewer "
                          "collective(s) in this group than the others (a skipped or extra collective?)")
         else:
             lines.append(f"rank {rank} NEVER ENTERED collective #{top} of group {group} (no collective of this group "

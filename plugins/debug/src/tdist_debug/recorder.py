@@ -29,24 +29,34 @@ __all__ = ["Recorder", "current", "enable", "start", "DUMP_FORMAT"]
 #: The ``format`` field of every dump (the analyser checks it).
 DUMP_FORMAT = "tdist-debug/1"
 _TIMEOUT_WORDS = ("timeout", "timed out", "did not complete within")
-#: The fields of a record, in order (a record is a tuple of plain values: the garbage
-#: collector stops tracking it, so a full ring costs no collection time).
-FIELDS = ("op", "group", "seq", "group_ranks", "shapes", "dtype", "nbytes", "backend", "reduce_op", "root", "peer",
-          "tag", "issued_time")
+#: The fields of a record, in order. A record is a flat tuple of plain values (the group's
+#: ranks are one shared tuple per group) followed by the dimensions of the operation's
+#: one shape, or by one JSON string when it has several: the garbage collector stops
+#: tracking such a tuple at its first collection, so a full ring costs no collection time.
+FIELDS = ("op", "group", "seq", "group_ranks", "dtype", "nbytes", "backend", "reduce_op", "root", "peer", "tag",
+          "issued_time")
 _PENDING = -1.0
 
 
-def _record(info: Any) -> tuple:
+def _record(info: Any, shared: dict) -> tuple:
+    ranks = info.group_ranks
+    head = (info.op, info.group, info.seq, shared.setdefault(ranks, ranks), info.dtype, info.nbytes, info.backend,
+            info.reduce_op, info.root, info.peer, info.tag, info.issued_time)
     shapes = info.shapes
-    return (info.op, info.group, info.seq, info.group_ranks,
-            (tuple(shapes[0]),) if len(shapes) == 1 else tuple([tuple(s) for s in shapes]),
-            info.dtype, info.nbytes, info.backend, info.reduce_op, info.root, info.peer, info.tag, info.issued_time)
+    if len(shapes) == 1:
+        return head + tuple(shapes[0])
+    return head + (json.dumps([list(s) for s in shapes]),)
 
 
 def _as_dict(record: tuple, duration: float, error: Optional[str], now: float) -> dict[str, Any]:
-    entry = dict(zip(FIELDS, record))
+    width = len(FIELDS)
+    entry = dict(zip(FIELDS, record[:width]))
     entry["group_ranks"] = list(entry["group_ranks"])
-    entry["shapes"] = [list(s) for s in entry["shapes"]]
+    rest = record[width:]
+    if rest and isinstance(rest[0], str):
+        entry["shapes"] = json.loads(rest[0])
+    else:
+        entry["shapes"] = [list(rest)] if entry["dtype"] else []
     entry["state"] = "failed" if error is not None else ("pending" if duration == _PENDING else "completed")
     entry["duration"] = now - entry["issued_time"] if entry["state"] == "pending" else duration
     entry["error"] = error
@@ -67,6 +77,7 @@ class Recorder:
         self._durations = array.array("d", [_PENDING]) * capacity
         self._indices = array.array("q", [-1]) * capacity
         self._errors: dict[int, str] = {}
+        self._shared: dict[tuple, tuple] = {}
         self._count = itertools.count()
         self._pending: dict[int, int] = {}
         self._trace: Optional[list[tuple[int, tuple]]] = [] if settings.trace else None
@@ -79,7 +90,7 @@ class Recorder:
     def _add(self, info: Any) -> int:
         index = next(self._count)
         slot = index % self._capacity
-        record = _record(info)
+        record = _record(info, self._shared)
         self._records[slot] = record
         self._durations[slot] = _PENDING
         self._indices[slot] = index
@@ -112,12 +123,12 @@ class Recorder:
         the ring in closure variables: the per-operation path, without tracing."""
         count, capacity, records, durations, indices = self._count, self._capacity, self._records, \
             self._durations, self._indices
-        pending, pop = self._pending, self._pending.pop
+        pending, pop, shared = self._pending, self._pending.pop, self._shared
 
         def issued(info: Any) -> None:
             index = next(count)
             slot = index % capacity
-            records[slot] = _record(info)
+            records[slot] = _record(info, shared)
             durations[slot] = _PENDING
             indices[slot] = index
             pending[id(info)] = index
