@@ -119,21 +119,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.json:
             write_json(args.json, [result], {"mode": "store"})
         return 0
-    if args.core_overhead:
-        from .overhead import core_overhead, format_overhead
+    if args.core_overhead or args.recorder_overhead:
+        if args.core_overhead:
+            from .overhead import core_overhead as measure, format_overhead as describe
+        else:
+            from .recorder import format_recorder_overhead as describe, recorder_overhead as measure
 
-        result = core_overhead(iters=args.iters, repeats=args.repeats)
-        print(format_overhead(result))
+        result = measure(iters=args.iters, repeats=args.repeats)
+        print(describe(result))
         if args.json:
-            write_json(args.json, [result], {"mode": "core-overhead"})
-        return 0
-    if args.recorder_overhead:
-        from .recorder import format_recorder_overhead, recorder_overhead
-
-        result = recorder_overhead(iters=args.iters, repeats=args.repeats)
-        print(format_recorder_overhead(result))
-        if args.json:
-            write_json(args.json, [result], {"mode": "recorder-overhead"})
+            write_json(args.json, [result], {"mode": "core-overhead" if args.core_overhead else "recorder-overhead"})
         return 0
     if args.ddp:
         from .ddp import ddp_bench, format_ddp
