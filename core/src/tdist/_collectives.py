@@ -289,12 +289,7 @@ def barrier(
     if pg is None:
         return warn_not_member("barrier")
     device = "cuda" if device_ids else ("cpu" if "cpu" in pg.backends else next(iter(pg.backends)))
-    work = issue(pg, "barrier", device, lambda b: b.barrier(), async_op=True)
-    assert work is not None
-    if async_op:
-        return work
-    work.wait(timeout)
-    return None
+    return issue(pg, "barrier", device, lambda b: b.barrier(), async_op, wait_timeout=timeout)
 
 
 def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False) -> None:

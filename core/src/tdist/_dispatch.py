@@ -109,10 +109,12 @@ def issue(
     root: Optional[int] = None,
     peer: Optional[int] = None,
     tag: Optional[int] = None,
+    wait_timeout: Timeout = None,
 ) -> Optional[Work]:
     """Run ``call(backend)`` on ``pg``'s backend for ``device``; wait unless ``async_op``.
 
-    ``copies`` are (caller tensor, staged tensor) pairs written back on completion.
+    ``copies`` are (caller tensor, staged tensor) pairs written back on completion;
+    ``wait_timeout`` bounds a blocking call's wait instead of the Work's default.
     ``tensors``, ``reduction``, ``root``/``peer`` (group ranks) and ``tag`` describe the
     operation to the work hooks (ignored when none observe).
     """
@@ -122,7 +124,7 @@ def issue(
         work = _start(pg, operation, call, backend, copies)
         if async_op:
             return work
-        work.wait()
+        work.wait(wait_timeout)
         return None
     info = describe(pg, operation, seq, tensors, reduction, root, peer, tag)
     issued(info)
@@ -131,7 +133,7 @@ def issue(
         if async_op:
             watch(work, info)
             return work
-        work.wait()
+        work.wait(wait_timeout)
     except Exception as error:  # raised while issuing, failed, or a blocking wait that timed out
         failed(info, error)
         raise
