@@ -1,5 +1,6 @@
 """``python -m tdist.bench``: a quick smoke run (2 ranks, all_reduce at 4 B and 1 KiB), the
-report helpers, ``--core-overhead``, ``--recorder-overhead`` and ``--ddp``. No timing is asserted: the machine is shared."""
+report helpers, ``--core-overhead``, ``--recorder-overhead`` and ``--ddp``. No timing is asserted:
+the machine is shared."""
 
 from __future__ import annotations
 

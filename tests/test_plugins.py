@@ -245,7 +245,8 @@ def _observe_contract_1_1() -> dict:
         (info.op, info.seq, info.group, type(error).__name__, duration)))
     observer.tdist_group_created = tdist.hookimpl(lambda name, ranks, rank, backend: new["groups"].append(
         ("created", name, ranks, rank, backend)))
-    observer.tdist_group_destroyed = tdist.hookimpl(lambda name, ranks: new["groups"].append(("destroyed", name, ranks)))
+    observer.tdist_group_destroyed = tdist.hookimpl(
+        lambda name, ranks: new["groups"].append(("destroyed", name, ranks)))
     legacy = types.ModuleType("observer_1_0")
     legacy.TDIST_HOOKSPEC_VERSION = "1.0"
     legacy.tdist_work_failed = tdist.hookimpl(lambda info, error: old.append((info.op, str(error)[:20])))

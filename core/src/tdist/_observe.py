@@ -1,12 +1,13 @@
 """Telling the work hooks about operations: the one place the core fires them.
 
-:func:`describe` builds the :class:`WorkInfo` of an operation, :func:`issued` fires
-``tdist_work_issued``, :func:`completed` ``tdist_work_completed`` (a blocking call that
-returned), :func:`watch` either completion hook once an asynchronous Work is done; :func:`failed` reports an operation that failed outside its Work
-(the backend raised while issuing it, or a blocking wait timed out); :func:`rejected`
-wraps a public operation so that an error raised before the operation was issued (bad
-arguments) reaches ``tdist_work_failed`` too. With no plugin observing work, none of
-this costs more than one attribute test.
+:func:`describe` builds the :class:`WorkInfo` of an operation; :func:`issued` fires
+``tdist_work_issued``; :func:`completed` fires ``tdist_work_completed`` (a blocking call
+that returned); :func:`watch` fires either completion hook once an asynchronous Work is
+done; :func:`failed` reports an operation that failed outside its Work (the backend
+raised while issuing it, or a blocking wait timed out); :func:`rejected` wraps a public
+operation so that an error raised before the operation was issued (bad arguments)
+reaches ``tdist_work_failed`` too. With no plugin observing work, none of this costs
+more than one attribute test.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def describe(
         shapes = [t.shape for t in tensors]
         dtype, nbytes = str(tensors[0].dtype) if tensors else "", sum(t.nbytes for t in tensors)
     return WorkInfo(
-        operation, pg.name, seq, shapes, dtype, nbytes, pg.backend_name, time.perf_counter(), ranks[pg.rank], tuple(ranks),
+        operation, pg.name, seq, shapes, dtype, nbytes, pg.backend_name, time.perf_counter(), ranks[pg.rank],
+        tuple(ranks),
         None if reduction is None else reduction.name, None if root is None else ranks[root],
         None if peer is None else ranks[peer], tag,
     )

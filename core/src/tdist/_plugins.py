@@ -106,7 +106,7 @@ class WorkInfo:
     so ``(group, seq)`` matches a collective across ranks); for ``send``/``recv``, this
     rank's own count of point-to-point operations in the group (not comparable between
     ranks). ``seq`` is 0 for an operation rejected before it was issued.
-    ``shapes``: the shapes of the tensors that describe the operation (the input, or the
+    ``shapes``: the shapes (``torch.Size``) of the tensors that describe the operation (the input, or the
     in-place tensor); ``dtype``: their dtype as ``str(torch.dtype)`` (``"torch.float32"``,
     ``""`` with no tensor); ``nbytes``: their total size in bytes.
     ``reduce_op``: the reduction's name (``"SUM"``, ``"AVG"``, ``"PREMUL_SUM"``, ...) for

@@ -36,10 +36,13 @@ def _run(recorder: Recorder, info: WorkInfo, ok: bool = True) -> None:
 
 
 @pytest.mark.parametrize("field, values, words", [
-    ("op", ("all_reduce", "broadcast"), "disagree on the operation: rank(s) [0, 2] called all_reduce; rank(s) [1] called broadcast"),
-    ("dtype", ("torch.float32", "torch.int64"), "disagree on the dtype: rank(s) [0, 2] passed torch.float32; rank(s) [1] passed torch.int64"),
+    ("op", ("all_reduce", "broadcast"),
+     "disagree on the operation: rank(s) [0, 2] called all_reduce; rank(s) [1] called broadcast"),
+    ("dtype", ("torch.float32", "torch.int64"),
+     "disagree on the dtype: rank(s) [0, 2] passed torch.float32; rank(s) [1] passed torch.int64"),
     ("nbytes", (16, 32), "disagree on the size: rank(s) [0, 2] passed 16 B; rank(s) [1] passed 32 B"),
-    ("reduce_op", ("SUM", "MAX"), "disagree on the reduction: rank(s) [0, 2] reduced with SUM; rank(s) [1] reduced with MAX"),
+    ("reduce_op", ("SUM", "MAX"),
+     "disagree on the reduction: rank(s) [0, 2] reduced with SUM; rank(s) [1] reduced with MAX"),
 ])
 def test_divergence_names_the_field_and_both_sides(tmp_path, field, values, words):
     recorders = _recorders(tmp_path)

@@ -61,7 +61,8 @@ def test_mismatched_broadcast_root_on_mpi_under_mpirun(tmp_path):
     env = mpirun_env(base_env(TDIST_DEBUG_RECORDER="100", TDIST_DEBUG_DUMP_DIR=str(tmp_path / "dumps"),
                               TDIST_DEBUG_DUMP_AT_EXIT="1"), session)
     run_job([[find_mpirun(), "-n", "2", "--oversubscribe", "--bind-to", "none", "-x", "TDIST_DEBUG_RECORDER",
-              "-x", "TDIST_DEBUG_DUMP_DIR", "-x", "TDIST_DEBUG_DUMP_AT_EXIT", sys.executable, FAULTY, "mpi", "root", "4"]],
+              "-x", "TDIST_DEBUG_DUMP_DIR", "-x", "TDIST_DEBUG_DUMP_AT_EXIT", sys.executable, FAULTY,
+              "mpi", "root", "4"]],
             [env], timeout=90)
     [analysis] = run_job([[sys.executable, "-m", "tdist_debug", "analyze", str(tmp_path / "dumps")]], [base_env()], 60)
     assert analysis.returncode == 0, analysis.stderr

@@ -2,10 +2,11 @@
 
 At world size 1 (the tcp backend over a :class:`tdist.HashStore`, nothing sent), time
 ``tdist.all_reduce`` of one float32 in three states, alternating, ``repeats`` times
-(medians of wall-clock and of CPU time, which a loaded machine inflates least): no work hook (the recorder off, as when tdist-debug is installed but not
-enabled), a work observer whose hooks do nothing (the core's cost of describing and
-observing an op), and the recorder on. recorder - off is what turning it on costs
-per op (target <= 2 us); recorder - null is the recorder's own share.
+(medians of wall-clock and of CPU time, which a loaded machine inflates least): no work
+hook (the recorder off, as when tdist-debug is installed but not enabled), a work
+observer whose hooks do nothing (the core's cost of describing and observing an op),
+and the recorder on. recorder - off is what turning it on costs per op (target <= 2 us);
+recorder - null is the recorder's own share.
 """
 
 from __future__ import annotations

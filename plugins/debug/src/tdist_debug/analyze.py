@@ -128,8 +128,9 @@ def _stuck(group: str, members: list[int], by_rank: dict[int, dict[int, dict[str
         last = max(by_rank.get(rank, {}), default=0)
         if last and by_rank[rank][last]["state"] != "completed":
             previous = by_rank[rank][last]
+            how = "failed" if previous["state"] == "failed" else "is pending"
             lines.append(f"rank {rank} NEVER ENTERED collective #{top} of group {group}: it is still in "
-                         f"{previous['op']} #{last}, which {previous['state'] == 'failed' and 'failed' or 'is pending'}")
+                         f"{previous['op']} #{last}, which {how}")
         elif last:
             previous = by_rank[rank][last]
             lines.append(f"rank {rank} NEVER ENTERED collective #{top} of group {group}: its last collective there "
