@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -90,6 +91,14 @@ dist.destroy_process_group()
 def test_recorder_off_unless_enabled_sigusr1_dump_and_chrome_trace(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(RECORDER_PROBE)
+    ignoring = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # inherited by the ranks: the recorder still dumps
+    try:
+        _probe_jobs(tmp_path, probe)
+    finally:
+        signal.signal(signal.SIGUSR1, ignoring)
+
+
+def _probe_jobs(tmp_path: Path, probe: Path) -> None:
     [off] = python_job([str(probe)], 1, timeout=60)
     assert off.returncode == 0 and json.loads(off.stdout)["observing"] is False, off.stderr  # installed, not enabled
     on = python_job([str(probe)], 2, timeout=60, TDIST_DEBUG_RECORDER="2", TDIST_DEBUG_DUMP_DIR=str(tmp_path / "d"),

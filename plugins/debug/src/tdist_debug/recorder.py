@@ -235,13 +235,15 @@ def current() -> Optional[Recorder]:
 
 def start(settings: Settings) -> Recorder:
     """Start recording with ``settings`` (once per process): SIGUSR1 dumps; with
-    ``at_exit``, exit and SIGTERM dump too (handlers only replace default ones)."""
+    ``at_exit``, exit and SIGTERM dump too. A handler the program installed is left
+    alone (SIGUSR1's is replaced when default or ignored, SIGTERM's only when default)."""
     global _recorder
     if _recorder is not None:
         return _recorder
     _recorder = recorder = Recorder(settings)
     if threading.current_thread() is threading.main_thread():
-        _install(signal.SIGUSR1, lambda: recorder.dump("SIGUSR1"), then_default=False)
+        # SIGUSR1 also over an ignored one: SIG_IGN is inherited from the parent process
+        _install(signal.SIGUSR1, lambda: recorder.dump("SIGUSR1"), then_default=False, over_ignored=True)
         if settings.at_exit:
             _install(signal.SIGTERM, lambda: recorder.dump("SIGTERM"), then_default=True)
     if settings.at_exit:
@@ -249,8 +251,9 @@ def start(settings: Settings) -> Recorder:
     return recorder
 
 
-def _install(signum: signal.Signals, action: Any, then_default: bool) -> None:
-    if signal.getsignal(signum) not in (signal.SIG_DFL, None):
+def _install(signum: signal.Signals, action: Any, then_default: bool, over_ignored: bool = False) -> None:
+    replaceable = (signal.SIG_DFL, None, signal.SIG_IGN) if over_ignored else (signal.SIG_DFL, None)
+    if signal.getsignal(signum) not in replaceable:
         return  # the program handles it: leave it alone
 
     def handler(_signum: int, _frame: Any) -> None:
