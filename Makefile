@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 # Each distribution is installed on its own, exactly as a user would install it.
-PACKAGES := core plugins/tcp plugins/gloo plugins/mpi plugins/nccl
+PACKAGES := core plugins/tcp plugins/gloo plugins/mpi plugins/nccl plugins/debug
 
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1

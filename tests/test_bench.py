@@ -1,5 +1,6 @@
 """``python -m tdist.bench``: a quick smoke run (2 ranks, all_reduce at 4 B and 1 KiB), the
-report helpers, ``--core-overhead`` and ``--ddp``. No timing is asserted: the machine is shared."""
+report helpers, ``--core-overhead``, ``--recorder-overhead`` and ``--ddp``. No timing is asserted:
+the machine is shared."""
 
 from __future__ import annotations
 
@@ -51,6 +52,15 @@ def test_core_overhead_mode(tmp_path):
     proc = _run(["--core-overhead", "--iters", "200", "--repeats", "2"], tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "core's own cost" in proc.stdout and "bridge's own cost" in proc.stdout
+
+
+def test_recorder_overhead_mode(tmp_path):
+    out = tmp_path / "recorder.json"
+    proc = _run(["--recorder-overhead", "--iters", "200", "--repeats", "2", "--json", str(out)], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "turning the recorder on (on - off)" in proc.stdout
+    [row] = json.loads(out.read_text())["results"]
+    assert row["off_us"] > 0 and row["recorder_us"] > 0 and row["null_us"] > 0
 
 
 @pytest.mark.slow

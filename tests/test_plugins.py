@@ -227,3 +227,53 @@ def test_collective_seq_is_the_same_on_every_rank_and_p2p_has_its_own():
     assert seen[0] == [("send", 1), *collectives[:2], ("recv", 2), collectives[2]], seen
     assert seen[1] == [("recv", 1), *collectives[:2], ("send", 2), collectives[2]], seen
     assert seen[2] == collectives, seen
+
+
+def _observe_contract_1_1() -> dict:
+    """What a 1.1 observer and a 1.0 observer (old hook signatures) see on a 2-rank world."""
+    import torch
+
+    from tdist._plugins import plugins
+
+    new: dict = {"issued": [], "failed": [], "groups": []}
+    old: list = []
+    observer = types.ModuleType("observer_1_1")
+    observer.TDIST_HOOKSPEC_VERSION = "1.1"
+    observer.tdist_work_issued = tdist.hookimpl(lambda info: new["issued"].append(
+        (info.op, info.rank, info.group_ranks, info.reduce_op, info.root, info.peer, info.tag, info.dtype)))
+    observer.tdist_work_failed = tdist.hookimpl(lambda info, error, duration: new["failed"].append(
+        (info.op, info.seq, info.group, type(error).__name__, duration)))
+    observer.tdist_group_created = tdist.hookimpl(lambda name, ranks, rank, backend: new["groups"].append(
+        ("created", name, ranks, rank, backend)))
+    observer.tdist_group_destroyed = tdist.hookimpl(
+        lambda name, ranks: new["groups"].append(("destroyed", name, ranks)))
+    legacy = types.ModuleType("observer_1_0")
+    legacy.TDIST_HOOKSPEC_VERSION = "1.0"
+    legacy.tdist_work_failed = tdist.hookimpl(lambda info, error: old.append((info.op, str(error)[:20])))
+    plugins().register(observer, "observer_1_1")
+    plugins().register(legacy, "observer_1_0")
+    rank, t = tdist.get_rank(), torch.ones(2, dtype=torch.float64)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    tdist.broadcast(t, src=1)
+    tdist.send(t, 1, tag=7) if rank == 0 else tdist.recv(t, 0, tag=7)
+    with pytest.raises(ValueError):
+        tdist.broadcast(t, src=5)  # rejected before any communication
+    pair = tdist.new_group([0, 1])
+    tdist.destroy_process_group(pair)
+    return {**new, "old": old}
+
+
+@pytest.mark.timeout(120)
+def test_contract_1_1_workinfo_fields_group_hooks_and_rejected_ops_with_old_observers_still_called():
+    from tdist.testing import World
+
+    with World.spawn("tcp", 2, pg_timeout=30) as world:
+        seen = world.run(_observe_contract_1_1, timeout=60)
+    for rank in (0, 1):
+        issued = seen[rank]["issued"]
+        assert issued[0] == ("all_reduce", rank, (0, 1), "MAX", None, None, None, "torch.float64"), issued
+        assert issued[1] == ("broadcast", rank, (0, 1), None, 1, None, None, "torch.float64"), issued
+        assert issued[2] == ("send" if rank == 0 else "recv", rank, (0, 1), None, None, 1 - rank, 7, "torch.float64")
+        assert seen[rank]["failed"] == [("broadcast", 0, "pg0", "ValueError", 0.0)], seen[rank]
+        assert seen[rank]["old"] == [("broadcast", str(seen[rank]["old"][0][1]))] and len(seen[rank]["old"]) == 1
+        assert seen[rank]["groups"] == [("created", "pg1", [0, 1], rank, "tcp"), ("destroyed", "pg1", [0, 1])]

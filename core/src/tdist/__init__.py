@@ -74,6 +74,7 @@ from ._objects import (
     send_object_list,
 )
 from ._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from ._plugins import WorkInfo
 from ._reduce_op import ReduceOp, Reduction, make_premul_sum, reduce_op, supports_complex
 from ._rendezvous.iterator import rendezvous
 from ._store import (
@@ -128,5 +129,5 @@ __all__ = [
     "DistError", "DistBackendError", "DistStoreError", "DistNetworkError", "DistBackendTimeoutError",
     "DistStoreTimeoutError", "DistStateError",
     # plugin contract
-    "Backend", "BackendSpec", "OPERATIONS", "ANY_SOURCE_OP", "hookimpl", "HOOKSPEC_VERSION",
+    "Backend", "BackendSpec", "OPERATIONS", "ANY_SOURCE_OP", "hookimpl", "HOOKSPEC_VERSION", "WorkInfo",
 ]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from ._dispatch import contiguous_view, device_of, issue
 from ._errors import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError
 from ._groups import resolve_group, warn_not_member
+from ._observe import rejected
 from ._reduce_op import ReduceOp, as_reduction
 from ._validate import (
     check_all_to_all_splits,
@@ -50,6 +51,7 @@ __all__ = [
 ]
 
 
+@rejected("broadcast")
 def broadcast(
     tensor: "torch.Tensor", src: Optional[int] = None, group: Any = None, async_op: bool = False,
     group_src: Optional[int] = None,
@@ -63,9 +65,11 @@ def broadcast(
     root = peer_rank("broadcast", pg, "src", src, group_src)
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
-    return issue(pg, "broadcast", tensor.device.type, lambda b: b.broadcast(t, root), async_op, copies, (tensor,))
+    return issue(pg, "broadcast", tensor.device.type, lambda b: b.broadcast(t, root), async_op, copies, (tensor,),
+                 root=root)
 
 
+@rejected("all_reduce")
 def all_reduce(tensor: "torch.Tensor", op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Optional[Work]:
     """Reduce ``tensor`` across the group with ``op``; every rank gets the result in place."""
     check_tensor("all_reduce", "tensor", tensor)
@@ -77,9 +81,11 @@ def all_reduce(tensor: "torch.Tensor", op: Any = ReduceOp.SUM, group: Any = None
         return None
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
-    return issue(pg, "all_reduce", tensor.device.type, lambda b: b.all_reduce(t, reduction), async_op, copies, (tensor,))
+    return issue(pg, "all_reduce", tensor.device.type, lambda b: b.all_reduce(t, reduction), async_op, copies, (tensor,),
+                 reduction=reduction)
 
 
+@rejected("reduce")
 def reduce(
     tensor: "torch.Tensor", dst: Optional[int] = None, op: Any = ReduceOp.SUM, group: Any = None,
     async_op: bool = False, group_dst: Optional[int] = None,
@@ -95,9 +101,11 @@ def reduce(
     root = peer_rank("reduce", pg, "dst", dst, group_dst)
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
-    return issue(pg, "reduce", tensor.device.type, lambda b: b.reduce(t, root, reduction), async_op, copies, (tensor,))
+    return issue(pg, "reduce", tensor.device.type, lambda b: b.reduce(t, root, reduction), async_op, copies, (tensor,),
+                 reduction=reduction, root=root)
 
 
+@rejected("all_gather")
 def all_gather(
     tensor_list: list["torch.Tensor"], tensor: "torch.Tensor", group: Any = None, async_op: bool = False
 ) -> Optional[Work]:
@@ -114,6 +122,7 @@ def all_gather(
     return issue(pg, "all_gather", tensor.device.type, lambda b: b.all_gather(staged, t), async_op, copies, (tensor,))
 
 
+@rejected("all_gather_into_tensor")
 def all_gather_into_tensor(
     output_tensor: "torch.Tensor", input_tensor: "torch.Tensor", group: Any = None, async_op: bool = False
 ) -> Optional[Work]:
@@ -135,6 +144,7 @@ def all_gather_into_tensor(
     )
 
 
+@rejected("gather")
 def gather(
     tensor: "torch.Tensor", gather_list: Optional[list["torch.Tensor"]] = None, dst: Optional[int] = None,
     group: Any = None, async_op: bool = False, group_dst: Optional[int] = None,
@@ -155,9 +165,11 @@ def gather(
     elif gather_list:
         raise ValueError(f"gather: gather_list must be empty on non-destination ranks (this is rank {pg.ranks[pg.rank]})")
     t = contiguous_view(tensor, None, output=False)
-    return issue(pg, "gather", tensor.device.type, lambda b: b.gather(t, staged, root), async_op, copies, (tensor,))
+    return issue(pg, "gather", tensor.device.type, lambda b: b.gather(t, staged, root), async_op, copies, (tensor,),
+                 root=root)
 
 
+@rejected("scatter")
 def scatter(
     tensor: "torch.Tensor", scatter_list: Optional[list["torch.Tensor"]] = None, src: Optional[int] = None,
     group: Any = None, async_op: bool = False, group_src: Optional[int] = None,
@@ -177,9 +189,11 @@ def scatter(
         raise ValueError(f"scatter: scatter_list must be empty on non-source ranks (this is rank {pg.ranks[pg.rank]})")
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
-    return issue(pg, "scatter", tensor.device.type, lambda b: b.scatter(t, inputs, root), async_op, copies, (tensor,))
+    return issue(pg, "scatter", tensor.device.type, lambda b: b.scatter(t, inputs, root), async_op, copies, (tensor,),
+                 root=root)
 
 
+@rejected("reduce_scatter")
 def reduce_scatter(
     output: "torch.Tensor", input_list: list["torch.Tensor"], op: Any = ReduceOp.SUM, group: Any = None,
     async_op: bool = False,
@@ -198,10 +212,11 @@ def reduce_scatter(
     staged = [contiguous_view(t, None, output=False) for t in inputs]
     return issue(
         pg, "reduce_scatter", output.device.type, lambda b: b.reduce_scatter(out, staged, reduction), async_op,
-        copies, (output,),
+        copies, (output,), reduction=reduction,
     )
 
 
+@rejected("reduce_scatter_tensor")
 def reduce_scatter_tensor(
     output: "torch.Tensor", input: "torch.Tensor", op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Optional[Work]:
@@ -221,10 +236,11 @@ def reduce_scatter_tensor(
     inp = contiguous_view(input, None, output=False)
     return issue(
         pg, "reduce_scatter_tensor", output.device.type, lambda b: b.reduce_scatter_tensor(out, inp, reduction),
-        async_op, copies, (input,),
+        async_op, copies, (input,), reduction=reduction,
     )
 
 
+@rejected("all_to_all")
 def all_to_all(
     output_tensor_list: list["torch.Tensor"], input_tensor_list: list["torch.Tensor"], group: Any = None,
     async_op: bool = False,
@@ -246,6 +262,7 @@ def all_to_all(
     return issue(pg, "all_to_all", device, lambda b: b.all_to_all(staged_out, staged_in), async_op, copies, inputs)
 
 
+@rejected("all_to_all_single")
 def all_to_all_single(
     output: "torch.Tensor", input: "torch.Tensor", output_split_sizes: Optional[Sequence[int]] = None,
     input_split_sizes: Optional[Sequence[int]] = None, group: Any = None, async_op: bool = False,
@@ -269,6 +286,7 @@ def all_to_all_single(
     )
 
 
+@rejected("barrier")
 def barrier(
     group: Any = None, async_op: bool = False, device_ids: Optional[list[int]] = None,
     timeout: Optional[timedelta] = None,
@@ -283,12 +301,7 @@ def barrier(
         warn_not_member("barrier")
         return None
     device = "cuda" if device_ids else ("cpu" if "cpu" in pg.backends else next(iter(pg.backends)))
-    work = issue(pg, "barrier", device, lambda b: b.barrier(), async_op=True)
-    assert work is not None
-    if async_op:
-        return work
-    work.wait(timeout)
-    return None
+    return issue(pg, "barrier", device, lambda b: b.barrier(), async_op, wait_timeout=timeout)
 
 
 def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False) -> None:

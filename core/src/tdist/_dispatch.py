@@ -4,13 +4,13 @@ work hooks, and wait unless the caller asked for ``async_op``."""
 from __future__ import annotations
 
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ._backend import Backend
 from ._errors import DistError
 from ._groups import ProcessGroup
-from ._plugins import WorkInfo, plugins
+from ._observe import completed, describe, failed, issued, watch
+from ._plugins import plugins
 from ._work import Timeout, Work
 
 if TYPE_CHECKING:
@@ -101,32 +101,6 @@ def contiguous_view(
     return staged
 
 
-def _describe(pg: ProcessGroup, operation: str, seq: int, tensors: Sequence["torch.Tensor"]) -> WorkInfo:
-    return WorkInfo(
-        op=operation,
-        group=pg.name,
-        seq=seq,
-        shapes=[tuple(t.shape) for t in tensors],
-        dtype=str(tensors[0].dtype) if tensors else "",
-        nbytes=sum(t.numel() * t.element_size() for t in tensors),
-        backend=pg.backend_name,
-    )
-
-
-def _observe(work: Work, info: WorkInfo) -> None:
-    hooks = plugins()
-    hooks.work_issued(info)
-
-    def _done(done: Work) -> None:
-        error = done.exception()
-        if error is None:
-            hooks.work_completed(info, time.perf_counter() - info.issued_at)
-        else:
-            hooks.work_failed(info, error)
-
-    work.add_done_callback(_done)
-
-
 def issue(
     pg: ProcessGroup,
     operation: str,
@@ -135,23 +109,50 @@ def issue(
     async_op: bool,
     copies: Sequence[tuple["torch.Tensor", "torch.Tensor"]] = (),
     tensors: Sequence["torch.Tensor"] = (),
+    reduction: Any = None,
+    root: Optional[int] = None,
+    peer: Optional[int] = None,
+    tag: Optional[int] = None,
+    wait_timeout: Timeout = None,
 ) -> Optional[Work]:
     """Run ``call(backend)`` on ``pg``'s backend for ``device``; wait unless ``async_op``.
 
-    ``copies`` are (caller tensor, staged tensor) pairs written back on completion.
-    ``tensors`` describe the operation to the work hooks (ignored when none observe).
+    ``copies`` are (caller tensor, staged tensor) pairs written back on completion;
+    ``wait_timeout`` bounds a blocking call's wait instead of the Work's default.
+    ``tensors``, ``reduction``, ``root``/``peer`` (group ranks) and ``tag`` describe the
+    operation to the work hooks (ignored when none observe).
     """
     backend = pg.backend_for(device, operation)
     seq = pg.next_p2p_seq() if operation in POINT_TO_POINT else pg.next_seq()
-    info = _describe(pg, operation, seq, tensors) if plugins().observes_work else None
+    if not plugins().observes_work:
+        work = _start(pg, operation, call, backend, copies)
+        if async_op:
+            return work
+        work.wait(wait_timeout)
+        return None
+    info = describe(pg, operation, seq, tensors, reduction, root, peer, tag)
+    issued(info)
+    try:
+        work = _start(pg, operation, call, backend, copies)
+        if async_op:
+            watch(work, info)
+            return work
+        work.wait(wait_timeout)
+    except Exception as error:  # raised while issuing, failed, or a blocking wait that timed out
+        failed(info, error)
+        raise
+    completed(info)
+    return None
+
+
+def _start(
+    pg: ProcessGroup, operation: str, call: Callable[[Backend], Work], backend: Backend,
+    copies: Sequence[tuple["torch.Tensor", "torch.Tensor"]],
+) -> Work:
+    """Call the backend; its Work (wrapped to copy staged outputs back when needed)."""
     work = call(backend)
     if not isinstance(work, Work):
         raise DistError(f"{operation}: backend {pg.backend_name!r} returned {type(work).__name__}, not a tdist.Work")
     if copies:
         work = StagedWork(work, list(copies))
-    if info is not None:
-        _observe(work, info)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return work

@@ -327,6 +327,7 @@ def init_process_group(
     STATE.group_count = 0
     STATE.backend_name = display
     STATE.options = options
+    _announce(plugins().group_created, world)
     if bridge:
         try:
             bridging.mirror_world(world)
@@ -385,8 +386,14 @@ def new_group(
         options["device_id"] = device_id
     pg = _build_group(name, members, world.rank, devices, display, STATE.store, timeout, options)
     STATE.groups.append(pg)
+    _announce(plugins().group_created, pg)
     bridging.mirror_new_group(pg, members, devices, group_desc)
     return pg.handle
+
+
+def _announce(hook: Any, pg: ProcessGroup) -> None:
+    """Tell the group hooks (``tdist_group_created`` / ``_destroyed``) about ``pg``."""
+    hook(name=pg.name, ranks=pg.ranks, rank=pg.ranks[pg.rank], backend=pg.backend_name)
 
 
 def _same_devices(world: ProcessGroup) -> dict[str, str]:
@@ -404,12 +411,14 @@ def destroy_process_group(group: Any = None) -> None:
     if group is not None and pg is not STATE.world:
         assert pg is not None
         STATE.groups.remove(pg)
+        _announce(plugins().group_destroyed, pg)
         pg.shutdown()
         bridging.forget(pg)
         return
     groups, store = STATE.groups, STATE.store
     STATE.reset()
     for pg in reversed(groups):
+        _announce(plugins().group_destroyed, pg)
         pg.shutdown()
     bridging.forget_all(groups)
     if store is not None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from ._dispatch import contiguous_view, issue
 from ._errors import DistError
 from ._groups import ProcessGroup, resolve_group, warn_not_member
+from ._observe import rejected
 from ._validate import check_tensor, peer_rank
 from ._work import Work
 
@@ -39,7 +40,8 @@ def _isend(
         return None, None
     peer = peer_rank(operation, pg, "dst", dst, group_dst, allow_self=False)
     t = contiguous_view(tensor, None, output=False)
-    return pg, issue(pg, "send", tensor.device.type, lambda b: b.send(t, peer, tag), True, (), (tensor,))
+    return pg, issue(pg, "send", tensor.device.type, lambda b: b.send(t, peer, tag), True, (), (tensor,),
+                     peer=peer, tag=tag)
 
 
 def _irecv(
@@ -60,9 +62,11 @@ def _irecv(
         peer = peer_rank(operation, pg, "src", src, group_src, allow_self=False)
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
-    return pg, issue(pg, "recv", tensor.device.type, lambda b: b.recv(t, peer, tag), True, copies, (tensor,))
+    return pg, issue(pg, "recv", tensor.device.type, lambda b: b.recv(t, peer, tag), True, copies, (tensor,),
+                     peer=peer, tag=tag)
 
 
+@rejected("isend")
 def isend(
     tensor: "torch.Tensor", dst: Optional[int] = None, group: Any = None, tag: int = 0,
     group_dst: Optional[int] = None,
@@ -72,6 +76,7 @@ def isend(
     return _isend("isend", tensor, dst, group, tag, group_dst)[1]
 
 
+@rejected("irecv")
 def irecv(
     tensor: "torch.Tensor", src: Optional[int] = None, group: Any = None, tag: int = 0,
     group_src: Optional[int] = None,
@@ -81,6 +86,7 @@ def irecv(
     return _irecv("irecv", tensor, src, group, tag, group_src)[1]
 
 
+@rejected("send")
 def send(
     tensor: "torch.Tensor", dst: Optional[int] = None, group: Any = None, tag: int = 0,
     group_dst: Optional[int] = None,
@@ -91,6 +97,7 @@ def send(
         work.wait()
 
 
+@rejected("recv")
 def recv(
     tensor: "torch.Tensor", src: Optional[int] = None, group: Any = None, tag: int = 0,
     group_src: Optional[int] = None,
@@ -122,6 +129,7 @@ class P2POp:
             raise ValueError("P2POp: peer (or group_peer) is required")
 
 
+@rejected("batch_isend_irecv")
 def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     """Start every send and receive of ``p2p_op_list`` and return their Works, in order.
 

@@ -95,12 +95,27 @@ class RendezvousRegistry:
 
 @dataclass
 class WorkInfo:
-    """What the work hooks observe about one operation.
+    """What the work hooks observe about one operation (public as ``tdist.WorkInfo``).
 
-    ``seq`` numbers the group's operations of one kind: for a collective, the group's
-    collective counter (the n-th collective of a group has ``seq`` n on every rank, so
-    it matches a collective across ranks); for ``send``/``recv``, this rank's own count
-    of point-to-point operations in the group (not comparable between ranks).
+    ``op``: the operation (``"all_reduce"``, ``"broadcast"``, ``"send"``, ``"recv"``, ...).
+    ``group``: the group's name, ``"pg0"`` for the default group and ``"pgN"`` for the
+    N-th ``new_group`` (the same name on every rank). ``group_ranks``: the group's global
+    ranks in group-rank order; ``rank``: this process's global rank.
+    ``seq`` numbers the group's operations of one kind, from 1: for a collective, the
+    group's collective counter (the n-th collective of a group has ``seq`` n on every rank,
+    so ``(group, seq)`` matches a collective across ranks); for ``send``/``recv``, this
+    rank's own count of point-to-point operations in the group (not comparable between
+    ranks). ``seq`` is 0 for an operation rejected before it was issued.
+    ``shapes``: the shapes (``torch.Size``) of the tensors that describe the operation (the input, or the
+    in-place tensor); ``dtype``: their dtype as ``str(torch.dtype)`` (``"torch.float32"``,
+    ``""`` with no tensor); ``nbytes``: their total size in bytes.
+    ``reduce_op``: the reduction's name (``"SUM"``, ``"AVG"``, ``"PREMUL_SUM"``, ...) for
+    reducing collectives, else None. ``root``: the global rank of the source or
+    destination of ``broadcast``/``reduce``/``gather``/``scatter``, else None.
+    ``peer``: for ``send``/``recv``, the other side's global rank (None: a receive from
+    any source); ``tag``: their tag (None for collectives).
+    ``issued_at``: ``time.perf_counter()`` at issue (durations); ``issued_time``:
+    ``time.time()`` at issue (comparable between processes of one host).
     """
 
     op: str
@@ -111,6 +126,13 @@ class WorkInfo:
     nbytes: int
     backend: str
     issued_at: float = field(default_factory=time.perf_counter)
+    rank: int = -1
+    group_ranks: tuple[int, ...] = ()
+    reduce_op: Optional[str] = None
+    root: Optional[int] = None
+    peer: Optional[int] = None
+    tag: Optional[int] = None
+    issued_time: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -125,6 +147,24 @@ class PluginRecord:
     @property
     def loaded(self) -> bool:
         return self.error is None
+
+
+def _direct_calls(hook: Any, *names: str) -> Optional[list[Callable[..., Any]]]:
+    """The implementations of a per-operation ``hook`` (whose arguments are ``names``) as
+    functions taking those arguments positionally, in pluggy's calling order: calling
+    them saves pluggy's per-call cost. None when one of them is a wrapper (then pluggy
+    calls them)."""
+    impls = hook.get_hookimpls()
+    if any(impl.hookwrapper or getattr(impl, "wrapper", False) for impl in impls):
+        return None
+    return [_positional(impl.function, tuple(impl.argnames), names) for impl in reversed(impls)]
+
+
+def _positional(function: Callable[..., Any], takes: tuple[str, ...], names: tuple[str, ...]) -> Callable[..., Any]:
+    """``function`` (which takes the subset ``takes`` of ``names``) called with all of ``names``."""
+    if takes == names:
+        return function
+    return lambda *values: function(*[values[names.index(name)] for name in takes])
 
 
 def _disabled_names() -> set[str]:
@@ -190,6 +230,11 @@ class Plugins:
             getattr(self._pm.hook, name).get_hookimpls()
             for name in ("tdist_work_issued", "tdist_work_completed", "tdist_work_failed")
         )
+        self._issued = _direct_calls(self._pm.hook.tdist_work_issued, "info")
+        self._completed = _direct_calls(self._pm.hook.tdist_work_completed, "info", "duration")
+        self._group_hooks = any(
+            getattr(self._pm.hook, name).get_hookimpls() for name in ("tdist_group_created", "tdist_group_destroyed")
+        )
 
     def _load(self, ep: Any, disabled: set[str]) -> None:
         dist = getattr(getattr(ep, "dist", None), "name", "") or ""
@@ -250,13 +295,29 @@ class Plugins:
         return self._work_hooks
 
     def work_issued(self, info: WorkInfo) -> None:
-        self._pm.hook.tdist_work_issued(info=info)
+        if self._issued is None:
+            self._pm.hook.tdist_work_issued(info=info)
+            return
+        for function in self._issued:
+            function(info)
 
     def work_completed(self, info: WorkInfo, duration: float) -> None:
-        self._pm.hook.tdist_work_completed(info=info, duration=duration)
+        if self._completed is None:
+            self._pm.hook.tdist_work_completed(info=info, duration=duration)
+            return
+        for function in self._completed:
+            function(info, duration)
 
-    def work_failed(self, info: WorkInfo, error: BaseException) -> None:
-        self._pm.hook.tdist_work_failed(info=info, error=error)
+    def work_failed(self, info: WorkInfo, error: BaseException, duration: float) -> None:
+        self._pm.hook.tdist_work_failed(info=info, error=error, duration=duration)
+
+    def group_created(self, name: str, ranks: list[int], rank: int, backend: str) -> None:
+        if self._group_hooks:
+            self._pm.hook.tdist_group_created(name=name, ranks=list(ranks), rank=rank, backend=backend)
+
+    def group_destroyed(self, name: str, ranks: list[int], rank: int, backend: str) -> None:
+        if self._group_hooks:
+            self._pm.hook.tdist_group_destroyed(name=name, ranks=list(ranks), rank=rank, backend=backend)
 
     def default_backend(self, device: str) -> Optional[str]:
         return self._pm.hook.tdist_default_backend(device=device)

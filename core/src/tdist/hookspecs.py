@@ -23,7 +23,9 @@ __all__ = ["hookspec", "hookimpl", "HOOKSPEC_VERSION", "PROJECT_NAME"]
 PROJECT_NAME = "tdist"
 #: (major, minor) of this contract. A plugin written for the same major version
 #: and a minor version <= this one is compatible.
-HOOKSPEC_VERSION = (1, 0)
+#: 1.1 added WorkInfo's rank, group_ranks, reduce_op, root, peer, tag and issued_time,
+#: ``tdist_work_failed``'s ``duration``, rejected operations reaching it, and the group hooks.
+HOOKSPEC_VERSION = (1, 1)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -57,8 +59,9 @@ def tdist_register_rendezvous(registry: "RendezvousRegistry") -> None:
 # ----------------------------------------------------------------------- work
 @hookspec
 def tdist_work_issued(info: "WorkInfo") -> None:
-    """Observe an operation as it is issued. ``info`` describes the operation
-    (op, group name, sequence number, shapes, dtype, bytes). Return value ignored."""
+    """Observe an operation as it is issued. ``info`` (a :class:`tdist.WorkInfo`)
+    describes the operation: op, group name and global ranks, this rank, sequence
+    number, shapes, dtype, bytes, reduction, root, peer and tag. Return value ignored."""
 
 
 @hookspec
@@ -68,8 +71,26 @@ def tdist_work_completed(info: "WorkInfo", duration: float) -> None:
 
 
 @hookspec
-def tdist_work_failed(info: "WorkInfo", error: BaseException) -> None:
-    """Observe an operation that failed with ``error``. Return value ignored."""
+def tdist_work_failed(info: "WorkInfo", error: BaseException, duration: float) -> None:
+    """Observe an operation that failed with ``error`` after ``duration`` seconds from
+    issue (a timeout included). An operation rejected before any communication (bad
+    arguments at call time) reaches this hook too, without ``tdist_work_issued``, with
+    ``info.seq`` 0 and ``duration`` 0. Return value ignored."""
+
+
+# --------------------------------------------------------------------- groups
+@hookspec
+def tdist_group_created(name: str, ranks: list[int], rank: int, backend: str) -> None:
+    """Observe a process group this rank is a member of, once it is ready:
+    ``init_process_group`` (name ``"pg0"``) and ``new_group``. ``ranks``: its global
+    ranks in group-rank order; ``rank``: this process's global rank; ``backend``: its
+    backend name. Return value ignored."""
+
+
+@hookspec
+def tdist_group_destroyed(name: str, ranks: list[int], rank: int, backend: str) -> None:
+    """Observe a group being destroyed (``destroy_process_group``), before its backends
+    shut down; the same arguments as :func:`tdist_group_created`. Return value ignored."""
 
 
 # ------------------------------------------------------------------ lifecycle

@@ -129,6 +129,9 @@ def get_args_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         help="seconds between SIGTERM (or a forwarded signal) and SIGKILL when stopping workers "
                         "(default: --shutdown-timeout, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "
                         f"else {DEFAULT_GRACE_PERIOD:g})")
+    parser.add_argument("--debug-dump", "--debug_dump", dest="debug_dump", default=None, metavar="DIR",
+                        help="turn tdist-debug's flight recorder on in every worker (dumps to DIR on failure, "
+                        "timeout, SIGUSR1 and exit) and print its analysis when the job fails")
     return parser
 
 
@@ -170,6 +173,12 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, launch_mod
         parser.error("--no_python and --module cannot be used together")
     if args.use_env and args.local_rank_arg:
         parser.error("--use_env and --local-rank-arg contradict each other")
+    if args.debug_dump is not None:
+        from ._launch.debug import missing_reason
+
+        reason = missing_reason()
+        if reason:
+            parser.error(reason)
     if launch_module and args.no_python and not args.use_env and not args.local_rank_arg:
         parser.error("--no_python requires --use_env (a program that is not Python gets LOCAL_RANK, not --local_rank)")
 
@@ -302,13 +311,26 @@ def launch(args: argparse.Namespace) -> int:
             tdist_store = _host_tdist_store(config)
         template = None if args.no_prefix else os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
                                                               DEFAULT_PREFIX_TEMPLATE)
+        extra_env = {}
+        if args.debug_dump is not None:
+            from ._launch import debug
+
+            debug.clear_old_dumps(args.debug_dump)
+            extra_env = debug.worker_env(args.debug_dump)
         agent = create_agent(config, program, program_args, grace_period=_grace_period(args),
-                             prefix_template=template, tdist_store=tdist_store, log=log)
-        return _report(agent, run_agent(agent, config))
+                             prefix_template=template, tdist_store=tdist_store, log=log, extra_env=extra_env)
+        status = _report(agent, run_agent(agent, config))
+        if status and args.debug_dump is not None:
+            debug.verdict(args.debug_dump, log)
+        return status
     except SignalException as exc:  # forwarded by the agent; a second one ends up here at once
         if agent is not None:
             agent.kill_all()
         log(f"received {exc.sigval.name}; forwarded it to {agent.signalled if agent else 0} running worker(s)")
+        if agent is not None and args.debug_dump is not None:
+            from ._launch.debug import verdict
+
+            verdict(args.debug_dump, log)
         return 128 + int(exc.sigval)
     except KeyboardInterrupt:  # SIGINT before the workers started
         log("interrupted before the workers started")

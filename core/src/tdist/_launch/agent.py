@@ -53,7 +53,8 @@ class TdistAgent(LocalElasticAgent):
     ``grace_period``: seconds between the first signal and SIGKILL on every stop.
     ``prefix_template``: the console prefix of each line (None: no prefix).
     ``tdist_store``: the authenticated store this agent hosts (token mode), else None.
-    ``log``: receives the launcher's messages.
+    ``log``: receives the launcher's messages. ``extra_env``: more variables for every
+    worker (``--debug-dump``'s).
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class TdistAgent(LocalElasticAgent):
         prefix_template: Optional[str],
         tdist_store: Optional[TCPStoreServer],
         log: Callable[[str], None],
+        extra_env: Optional[dict[str, str]] = None,
     ) -> None:
         super().__init__(spec, logs_specs=config.logs_specs, start_method=config.start_method,  # type: ignore[arg-type]
                          log_line_prefix_template=prefix_template,
@@ -72,6 +74,7 @@ class TdistAgent(LocalElasticAgent):
         self.grace_period = grace_period
         self.tdist_store = tdist_store
         self.log = log
+        self.extra_env = dict(extra_env or {})
 
     # ------------------------------------------------------------------ starting
     def _share_round(self, worker_group: WorkerGroup, restart_count: int) -> dict[str, Any]:
@@ -117,6 +120,7 @@ class TdistAgent(LocalElasticAgent):
             env["PYTHONUNBUFFERED"] = "1"  # lines go through our pipes: let them come as they are printed
         if "port" in shared:
             env.update(TDIST_STORE_ADDR=shared["addr"], TDIST_STORE_PORT=str(shared["port"]))
+        env.update(self.extra_env)
         return env
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -187,6 +191,7 @@ def create_agent(
     prefix_template: Optional[str],
     tdist_store: Optional[TCPStoreServer],
     log: Callable[[str], None],
+    extra_env: Optional[dict[str, str]] = None,
 ) -> TdistAgent:
     """The agent for ``config`` (as torch's ``launch_agent`` builds its LocalElasticAgent).
     Creating a c10d rendezvous handler connects to (or hosts) its store."""
@@ -205,7 +210,7 @@ def create_agent(
         duplicate_stderr_filters=config.duplicate_stderr_filters, virtual_local_rank=config.virtual_local_rank,
     )
     return TdistAgent(spec, config, grace_period=grace_period, prefix_template=prefix_template,
-                      tdist_store=tdist_store, log=log)
+                      tdist_store=tdist_store, log=log, extra_env=extra_env)
 
 
 def run_agent(agent: TdistAgent, config: LaunchConfig) -> RunResult:

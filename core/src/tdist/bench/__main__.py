@@ -6,6 +6,7 @@ Examples::
     python -m tdist.bench --ops all_reduce --max-size 16M --world-sizes 2
     python -m tdist.bench --sizes 4,256K,4M --csv out.csv --json out.json --plot busbw.png
     python -m tdist.bench --core-overhead
+    python -m tdist.bench --recorder-overhead               # tdist-debug's flight recorder, per op
     python -m tdist.bench --store                           # TCPStore: tdist against torch's
     python -m tdist.bench --ddp                   # torch DDP steps on tdist-tcp vs torch's gloo
 """
@@ -75,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="print each result as it is measured")
     p.add_argument("--core-overhead", action="store_true",
                    help="measure the core's own cost per call at world size 1 instead")
-    p.add_argument("--iters", type=int, default=20000, help="calls per sample for --core-overhead")
+    p.add_argument("--recorder-overhead", action="store_true",
+                   help="measure what tdist-debug's flight recorder adds per call at world size 1 instead")
+    p.add_argument("--iters", type=int, default=20000,
+                   help="calls per sample for --core-overhead and --recorder-overhead")
     p.add_argument("--store", action="store_true",
                    help="measure the TCPStore instead, against torch's: multi_get against single gets, "
                         "and --store-clients clients doing --store-ops adds each")
@@ -115,13 +119,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.json:
             write_json(args.json, [result], {"mode": "store"})
         return 0
-    if args.core_overhead:
-        from .overhead import core_overhead, format_overhead
+    if args.core_overhead or args.recorder_overhead:
+        if args.core_overhead:
+            from .overhead import core_overhead as measure, format_overhead as describe
+        else:
+            from .recorder import format_recorder_overhead as describe, recorder_overhead as measure
 
-        result = core_overhead(iters=args.iters, repeats=args.repeats)
-        print(format_overhead(result))
+        result = measure(iters=args.iters, repeats=args.repeats)
+        print(describe(result))
         if args.json:
-            write_json(args.json, [result], {"mode": "core-overhead"})
+            write_json(args.json, [result], {"mode": "core-overhead" if args.core_overhead else "recorder-overhead"})
         return 0
     if args.ddp:
         from .ddp import ddp_bench, format_ddp

@@ -1,0 +1,125 @@
+"""Telling the work hooks about operations: the one place the core fires them.
+
+:func:`describe` builds the :class:`WorkInfo` of an operation; :func:`issued` fires
+``tdist_work_issued``; :func:`completed` fires ``tdist_work_completed`` (a blocking call
+that returned); :func:`watch` fires either completion hook once an asynchronous Work is
+done; :func:`failed` reports an operation that failed outside its Work (the backend
+raised while issuing it, or a blocking wait timed out); :func:`rejected` wraps a public
+operation so that an error raised before the operation was issued (bad arguments)
+reaches ``tdist_work_failed`` too. With no plugin observing work, none of this costs
+more than one attribute test.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
+
+from ._plugins import WorkInfo, plugins
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._groups import ProcessGroup
+    from ._work import Work
+
+__all__ = ["describe", "issued", "completed", "watch", "failed", "rejected"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+#: Set on an error the hooks have seen, so that :func:`rejected` does not report it again.
+_SEEN = "_tdist_observed"
+
+
+def describe(
+    pg: "ProcessGroup", operation: str, seq: int, tensors: Sequence["torch.Tensor"],
+    reduction: Any = None, root: Optional[int] = None, peer: Optional[int] = None, tag: Optional[int] = None,
+) -> WorkInfo:
+    """The WorkInfo of ``operation`` on ``pg``; ``root`` and ``peer`` are group ranks."""
+    ranks = pg.ranks
+    if len(tensors) == 1:  # the common case, without the generators' cost
+        tensor = tensors[0]
+        shapes, dtype, nbytes = [tensor.shape], str(tensor.dtype), tensor.nbytes
+    else:
+        shapes = [t.shape for t in tensors]
+        dtype, nbytes = str(tensors[0].dtype) if tensors else "", sum(t.nbytes for t in tensors)
+    return WorkInfo(
+        operation, pg.name, seq, shapes, dtype, nbytes, pg.backend_name, time.perf_counter(), ranks[pg.rank],
+        tuple(ranks),
+        None if reduction is None else reduction.name, None if root is None else ranks[root],
+        None if peer is None else ranks[peer], tag,
+    )
+
+
+def _mark(error: BaseException) -> None:
+    try:
+        setattr(error, _SEEN, True)
+    except AttributeError:  # an exception type with __slots__: it may be reported twice
+        pass
+
+
+def failed(info: WorkInfo, error: BaseException) -> None:
+    """Report ``error`` for the operation ``info`` describes (once per error)."""
+    if getattr(error, _SEEN, False):
+        return
+    _mark(error)
+    plugins().work_failed(info, error, time.perf_counter() - info.issued_at)
+
+
+def issued(info: WorkInfo) -> None:
+    """Fire ``tdist_work_issued`` (before the backend is called)."""
+    plugins().work_issued(info)
+
+
+def completed(info: WorkInfo) -> None:
+    """Fire ``tdist_work_completed`` for an operation that has just succeeded."""
+    plugins().work_completed(info, time.perf_counter() - info.issued_at)
+
+
+def watch(work: "Work", info: WorkInfo) -> None:
+    """Fire the completion hook (or the failure one) when ``work`` is done."""
+    hooks = plugins()
+
+    def _done(done: "Work") -> None:
+        error = done.exception()
+        if error is None:
+            hooks.work_completed(info, time.perf_counter() - info.issued_at)
+        else:
+            failed(info, error)
+
+    work.add_done_callback(_done)
+
+
+def _rejected_info(operation: str, kwargs: dict) -> WorkInfo:
+    """What is known of an operation refused before it was issued (no seq, no tensors)."""
+    from ._groups import STATE, ProcessGroup
+
+    world = STATE.world
+    pg = kwargs.get("group")
+    pg = getattr(pg, "tdist_group", pg)
+    if not isinstance(pg, ProcessGroup):
+        pg = world
+    if pg is None:
+        return WorkInfo(op=operation, group="", seq=0, shapes=[], dtype="", nbytes=0, backend="")
+    return WorkInfo(op=operation, group=pg.name, seq=0, shapes=[], dtype="", nbytes=0, backend=pg.backend_name,
+                    rank=pg.ranks[pg.rank], group_ranks=tuple(pg.ranks))
+
+
+def rejected(operation: str) -> Callable[[_F], _F]:
+    """Decorate the public function of ``operation``: an error it raises that the hooks
+    have not seen (argument checks, before any communication) reaches ``tdist_work_failed``."""
+
+    def decorate(function: _F) -> _F:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            except Exception as error:
+                if plugins().observes_work and not getattr(error, _SEEN, False):
+                    _mark(error)
+                    plugins().work_failed(_rejected_info(operation, kwargs), error, 0.0)
+                raise
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
