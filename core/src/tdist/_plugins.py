@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import pluggy
 
@@ -121,7 +121,7 @@ class WorkInfo:
     op: str
     group: str
     seq: int
-    shapes: list[tuple[int, ...]]
+    shapes: Sequence[tuple[int, ...]]
     dtype: str
     nbytes: int
     backend: str

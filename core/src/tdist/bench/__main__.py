@@ -121,12 +121,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.core_overhead or args.recorder_overhead:
         if args.core_overhead:
-            from .overhead import core_overhead as measure, format_overhead as describe
-        else:
-            from .recorder import format_recorder_overhead as describe, recorder_overhead as measure
+            from .overhead import core_overhead, format_overhead
 
-        result = measure(iters=args.iters, repeats=args.repeats)
-        print(describe(result))
+            result = core_overhead(iters=args.iters, repeats=args.repeats)
+            print(format_overhead(result))
+        else:
+            from .recorder import format_recorder_overhead, recorder_overhead
+
+            result = recorder_overhead(iters=args.iters, repeats=args.repeats)
+            print(format_recorder_overhead(result))
         if args.json:
             write_json(args.json, [result], {"mode": "core-overhead" if args.core_overhead else "recorder-overhead"})
         return 0
