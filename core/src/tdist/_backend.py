@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
 from ._reduce_op import Reduction
 from ._work import Work
@@ -45,7 +45,29 @@ OPERATIONS: tuple[str, ...] = (
 #: Declared in addition to "recv" by backends that can receive from any source.
 ANY_SOURCE_OP = "recv_anysource"
 
-BackendFactory = Callable[..., "Backend"]
+
+
+class BackendFactory(Protocol):
+    """What :attr:`BackendSpec.factory` is: builds the backend of one process group.
+
+    ``store`` is the group's store (already prefixed for the group and backend),
+    ``rank``/``world_size`` the group rank and size, ``timeout`` the group's timeout,
+    ``options`` the caller's ``pg_options`` (a dict), ``global_ranks`` the global rank
+    of each group rank. A factory that declares ``secret`` (or ``**kwargs``) also
+    receives the job's key for this backend (32 bytes, b"" without a store token).
+    """
+
+    def __call__(
+        self,
+        *,
+        store: Any,
+        rank: int,
+        world_size: int,
+        timeout: timedelta,
+        options: dict[str, Any],
+        global_ranks: list[int],
+        **kwargs: Any,
+    ) -> "Backend": ...
 
 
 @dataclass(frozen=True)

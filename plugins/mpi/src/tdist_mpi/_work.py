@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from tdist import DistBackendTimeoutError, Work
 
-from ._runtime import mpi_error
+from ._runtime import mpi_error, runtime
 
 __all__ = ["MPIWork", "SPIN_S", "YIELD_S", "NAP_S"]
 
@@ -32,9 +32,6 @@ NAP_S = 0.0002
 _monotonic = time.monotonic
 _sleep = time.sleep
 _Lock = threading.Lock
-
-# Set by the backend once MPI is loaded (this module must not import mpi4py itself).
-MPIException: Any = None
 
 _PENDING, _DONE, _OTHER = 0, 1, 2
 _SPIN_TRIES = 64  # Test() calls per lock hold and clock check while spinning
@@ -102,7 +99,7 @@ class MPIWork(Work):
                             break
                     else:
                         return _PENDING
-            except MPIException as exc:
+            except runtime().MPI.Exception as exc:  # evaluated only when Test() raised (MPI is loaded)
                 self._req = None
                 error: Optional[BaseException] = mpi_error(self.op, exc)
             else:

@@ -20,8 +20,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from tdist import DistBackendError, DistBackendTimeoutError, Work
-from tdist._work import Timeout, seconds
+from tdist.plugin import DistBackendError, DistBackendTimeoutError, Timeout, Work, seconds
 
 from .cuda import CudaEvent
 

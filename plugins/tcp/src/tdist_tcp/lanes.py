@@ -16,8 +16,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional
 
-from tdist._errors import DistBackendError
-from tdist._work import Work
+from tdist.plugin import DistBackendError, Work
 
 __all__ = ["Lane", "Job", "TcpWork"]
 

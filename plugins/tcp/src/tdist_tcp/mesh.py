@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
-from tdist._errors import DistBackendTimeoutError, DistNetworkError, DistStoreTimeoutError
+from tdist.plugin import DistBackendTimeoutError, DistNetworkError, DistStoreTimeoutError
 
 from .auth import ACCEPTED, HELLO, MAC_SIZE, REFUSED, group_key, mac, make_hello, parse_hello, token_mismatch_hint
 

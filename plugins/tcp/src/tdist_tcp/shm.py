@@ -62,15 +62,14 @@ import warnings
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import numpy as np
-from tdist._errors import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError
-from tdist._reduce_op import ReduceOp
+from tdist.plugin import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError, ReduceOp
 
 from . import segment
 from .wire import describe
 
 if TYPE_CHECKING:
     import torch
-    from tdist._reduce_op import Reduction
+    from tdist.plugin import Reduction
 
     from .algorithms import Coll
     from .transport import Transport
@@ -580,7 +579,7 @@ class ShmEngine:
                         _memmove(at + qlo * es, self.base + self.off(q, b) + qlo * es, (qhi - qlo) * es)
 
     def _finalize(self, t: "torch.Tensor", op: "Reduction") -> None:
-        from tdist.reduction import finalize_
+        from tdist.plugin import finalize_
 
         from .algorithms import serially
 
@@ -656,7 +655,7 @@ class ShmEngine:
     def reduce_scatter(self, c: "Coll", out: "torch.Tensor", ins: Sequence["torch.Tensor"], op: "Reduction") -> None:
         """Rank r's ``out`` := reduction over ranks of their ``ins[r]`` (``ins`` are flat
         and contiguous; PREMUL_SUM is applied here, to copies, never to ``ins``)."""
-        from tdist.reduction import prescale_
+        from tdist.plugin import prescale_
 
         from .algorithms import serially
 

@@ -1,0 +1,51 @@
+"""Everything a plugin author touches, in one public module.
+
+A backend or rendezvous plugin imports from ``tdist`` (the user API) and from
+``tdist.plugin`` only, never from ``tdist._*`` (the first-party plugins are held
+to this by a lint rule, ``ruff`` TID251, and by ``tests/test_plugin_contract.py``).
+
+- registration: :data:`hookimpl`, :data:`HOOKSPEC_VERSION`, :class:`BackendRegistry`,
+  :class:`RendezvousRegistry`, :class:`BackendSpec`, :class:`BackendFactory`,
+  :data:`OPERATIONS`, :data:`ANY_SOURCE_OP`;
+- the backend: :class:`Backend`, :class:`Work` (and :data:`Timeout`, :func:`seconds`);
+- observing: :class:`WorkInfo`;
+- reductions: :class:`ReduceOp`, :class:`Reduction`, :func:`check_reduction`,
+  :func:`combine_`, :func:`prescale_`, :func:`prescaled`, :func:`finalize_`;
+- errors: :class:`DistError` and its subclasses;
+- stores: :class:`Store` (the base a store plugin subclasses) and the stores a
+  rendezvous builds on.
+"""
+
+from __future__ import annotations
+
+from ._backend import ANY_SOURCE_OP, OPERATIONS, Backend, BackendFactory, BackendSpec
+from ._errors import (
+    DistBackendError,
+    DistBackendTimeoutError,
+    DistError,
+    DistNetworkError,
+    DistStateError,
+    DistStoreError,
+    DistStoreTimeoutError,
+)
+from ._plugins import BackendRegistry, RendezvousHandler, RendezvousRegistry, WorkInfo
+from ._reduce_op import ReduceOp, Reduction, as_reduction
+from ._store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore
+from ._work import Timeout, Work, seconds
+from .hookspecs import HOOKSPEC_VERSION, hookimpl
+from .reduction import check_reduction, combine_, finalize_, prescale_, prescaled
+
+__all__ = [
+    # registration
+    "hookimpl", "HOOKSPEC_VERSION", "BackendRegistry", "RendezvousRegistry", "RendezvousHandler",
+    "BackendSpec", "BackendFactory", "OPERATIONS", "ANY_SOURCE_OP",
+    # the backend and its Work
+    "Backend", "Work", "WorkInfo", "Timeout", "seconds",
+    # reductions
+    "ReduceOp", "Reduction", "as_reduction", "check_reduction", "combine_", "prescale_", "prescaled", "finalize_",
+    # errors
+    "DistError", "DistBackendError", "DistBackendTimeoutError", "DistNetworkError", "DistStateError",
+    "DistStoreError", "DistStoreTimeoutError",
+    # stores
+    "Store", "HashStore", "PrefixStore", "FileStore", "TCPStore", "QueueEmptyError",
+]
