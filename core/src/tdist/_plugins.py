@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata
+import logging
 import os
 import threading
 import time
@@ -41,6 +42,8 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "tdist"
 DISABLE_ENV = "TDIST_DISABLED_PLUGINS"
+
+_log = logging.getLogger("tdist")
 
 RendezvousHandler = Callable[..., tuple]
 
@@ -249,14 +252,29 @@ class Plugins:
         """True when some plugin implements a work hook (else the core skips them)."""
         return self._work_hooks
 
+    def _notify(self, hook_name: str, **kwargs: Any) -> None:
+        """Call every observer of ``hook_name``; one that raises is logged and skipped, so it
+        neither reaches the thread that completed the operation nor silences the others."""
+        caller = getattr(self._pm.hook, hook_name)
+        impls = caller.get_hookimpls()
+        if any(impl.hookwrapper or impl.wrapper for impl in impls):  # wrappers need pluggy's own call
+            calls: list[tuple[str, Callable[..., Any]]] = [("(all, with wrappers)", caller)]
+        else:
+            calls = [(impl.plugin_name, impl.function) for impl in reversed(impls)]  # pluggy's call order
+        for name, call in calls:
+            try:
+                call(**kwargs)
+            except Exception:
+                _log.exception("tdist: observer %s of plugin %r raised; ignored", hook_name, name)
+
     def work_issued(self, info: WorkInfo) -> None:
-        self._pm.hook.tdist_work_issued(info=info)
+        self._notify("tdist_work_issued", info=info)
 
     def work_completed(self, info: WorkInfo, duration: float) -> None:
-        self._pm.hook.tdist_work_completed(info=info, duration=duration)
+        self._notify("tdist_work_completed", info=info, duration=duration)
 
     def work_failed(self, info: WorkInfo, error: BaseException) -> None:
-        self._pm.hook.tdist_work_failed(info=info, error=error)
+        self._notify("tdist_work_failed", info=info, error=error)
 
     def default_backend(self, device: str) -> Optional[str]:
         return self._pm.hook.tdist_default_backend(device=device)
