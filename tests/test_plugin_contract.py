@@ -10,6 +10,7 @@ import ast
 import pkgutil
 import shutil
 import subprocess
+import types
 import sys
 from pathlib import Path
 
@@ -99,3 +100,102 @@ def test_ruff_enforces_the_rule() -> None:
                           "-"], cwd=ROOT, input="from tdist._store.base import Store\n", capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 1 and "TID251" in bad.stdout, bad.stdout + bad.stderr
+
+
+_LAZY_PROBE = """
+import json, sys
+from datetime import timedelta
+import torch
+import tdist
+tdist.init_process_group("tcp", store=tdist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+tdist.all_reduce(torch.ones(2))
+tdist.destroy_process_group()
+def loaded():
+    mods = [m for m in ("mpi4py", "mpi4py.MPI", "tdist_mpi._runtime", "tdist_gloo.backend", "tdist_nccl.backend",
+                        "cupy") if m in sys.modules]
+    return mods + (["libmpi"] if "libmpi" in open("/proc/self/maps").read() else [])
+after_tcp = loaded()
+tdist.is_backend_available("mpi")
+print(json.dumps([after_tcp, loaded()]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_tcp_group_probes_no_other_backend():
+    """Availability is probed lazily: a tcp group loads neither libmpi nor gloo's or nccl's backend."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _LAZY_PROBE], capture_output=True, text=True, timeout=100, check=True)
+    after_tcp, after_asking = json.loads(out.stdout.strip().splitlines()[-1])
+    assert after_tcp == [], after_tcp
+    assert "tdist_mpi._runtime" in after_asking  # asking about mpi does probe it
+
+
+def _plugin(name: str, **spec: object) -> types.ModuleType:
+    module = types.ModuleType(f"plugin_{name}")
+    module.TDIST_HOOKSPEC_VERSION = "1.0"  # type: ignore[attr-defined]
+    spec = {"operations": {"cpu": frozenset({"barrier"})}, **spec}
+    module.tdist_register_backends = tdist.hookimpl(  # type: ignore[attr-defined]
+        lambda registry: registry.add(tdist.BackendSpec(name=name, factory=lambda **kw: None, **spec)))
+    return module
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"operations": {"cpu": frozenset({"all_reduse"})}}, "'all_reduse' \\(did you mean 'all_reduce'\\?\\)"),
+    ({"extra": {"unsupported": {"multi_gpu": "why"}}}, "'multi_gpu' \\(did you mean 'multigpu'\\?\\)"),
+    ({"extra": {"unsupported": {"reduce_op.AVERAGE": "why"}}}, "'reduce_op.AVERAGE'"),
+    ({"launcher": "srun"}, "launcher 'srun' is not one of"),
+])
+def test_capability_keys_are_checked_at_registration(spec: dict, message: str) -> None:
+    from tdist._plugins import Plugins
+
+    plugins = Plugins([])
+    with pytest.raises(tdist.DistError, match=f"refused: tdist_register_backends failed: ValueError: .*{message}"):
+        plugins.register(_plugin("typo", **spec), "typo")
+    assert plugins.backends.names() == []
+
+
+def test_valid_declarations_register_and_a_deferred_spec_is_made_once() -> None:
+    from tdist._plugins import Plugins
+
+    made: list[str] = []
+    deferred = types.ModuleType("plugin_deferred")
+    deferred.TDIST_HOOKSPEC_VERSION = "1.0"  # type: ignore[attr-defined]
+
+    def make() -> tdist.BackendSpec:
+        made.append("probe")
+        return tdist.BackendSpec(name="later", factory=lambda **kw: None, operations={"cpu": frozenset({"barrier"})},
+                                 extra={"unsupported": {"reduce_op.AVG": "x", "dtype.bfloat16": "y"}})
+
+    deferred.tdist_register_backends = tdist.hookimpl(  # type: ignore[attr-defined]
+        lambda registry: registry.add_deferred("later", make))
+    plugins = Plugins([])
+    plugins.register(deferred, "deferred")
+    plugins.register(_plugin("now", launcher="mpirun"), "now")
+    assert made == [] and plugins.backends.names() == ["later", "now"]
+    assert plugins.backends.get("later").distribution == "deferred"
+    assert plugins.backends.get("later") is plugins.backends.get("LATER") and made == ["probe"]
+    assert plugins.backends.get("now").launcher == "mpirun"
+
+
+def test_disabled_plugin_is_blocked_in_the_plugin_manager(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tdist._plugins import Plugins
+
+    class EntryPoint:
+        name, dist = "off", None
+
+        def load(self) -> object:
+            raise AssertionError("a disabled plugin is never imported")
+
+    monkeypatch.setenv("TDIST_DISABLED_PLUGINS", "off")
+    plugins = Plugins([EntryPoint()])
+    assert plugins.records[0].error == "disabled by TDIST_DISABLED_PLUGINS"
+    with pytest.raises(tdist.DistError, match="refused: disabled by TDIST_DISABLED_PLUGINS"):
+        plugins.register(_plugin("off"), "off")
+
+
+def test_the_kit_starts_mpi_worlds_as_the_spec_says() -> None:
+    from tdist.testing.pytest_plugin import spec_launcher
+
+    assert tdist.get_backend_spec("mpi").launcher == "mpirun" and spec_launcher("mpi") == "mpirun"
+    assert spec_launcher("tcp") is None and spec_launcher("gloo") is None

@@ -13,17 +13,18 @@ core waits on it unless the caller passed ``async_op=True``.
 from __future__ import annotations
 
 import abc
+import difflib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
-from ._reduce_op import Reduction
+from ._reduce_op import ReduceOp, Reduction
 from ._work import Work
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Backend", "BackendSpec", "BackendFactory", "OPERATIONS", "ANY_SOURCE_OP"]
+__all__ = ["Backend", "BackendSpec", "BackendFactory", "OPERATIONS", "ANY_SOURCE_OP", "FEATURES", "LAUNCHERS"]
 
 #: The operation names a :class:`BackendSpec` may declare per device type.
 OPERATIONS: tuple[str, ...] = (
@@ -44,6 +45,15 @@ OPERATIONS: tuple[str, ...] = (
 )
 #: Declared in addition to "recv" by backends that can receive from any source.
 ANY_SOURCE_OP = "recv_anysource"
+
+#: The finer features a backend may declare unsupported in ``BackendSpec.extra["unsupported"]``
+#: (``{key: why}``), besides ``reduce_op.<ReduceOp name>`` and ``dtype.<torch dtype name>``;
+#: the conformance kit (:mod:`tdist.testing.capabilities`) explains each.
+FEATURES: tuple[str, ...] = ("multigpu", "monitored_barrier", "p2p_tags", "collective_mismatch", "peer_failure")
+
+#: How the conformance kit starts a world of a backend (:attr:`BackendSpec.launcher`):
+#: None, one process per rank (``env://``); ``"mpirun"``, every rank under one ``mpirun``.
+LAUNCHERS: tuple[Optional[str], ...] = (None, "mpirun")
 
 
 
@@ -81,10 +91,17 @@ class BackendSpec:
     ``available`` is None when usable, else the reason it is not (e.g. "no GPU").
     ``default_init_method`` is the init method used when the caller names none
     (e.g. ``"mpi://"`` for a backend whose launcher provides rank and size);
-    None means ``env://``. ``torch_bridge`` is None when tdist can serve
+    None means ``env://``. ``launcher`` says how a job of this backend is started
+    (see :data:`LAUNCHERS`: ``"mpirun"`` for a backend whose ranks must share one
+    ``mpirun``). ``torch_bridge`` is None when tdist can serve
     ``torch.distributed`` through this backend (as torch's backend ``tdist-<name>``,
     and as torch's default group after ``tdist.init_process_group``), else the reason
-    it cannot.
+    it cannot. ``extra["unsupported"]`` maps :data:`FEATURES` keys the backend lacks
+    to why.
+
+    The capability keys (operation names, ``unsupported`` keys, the launcher) are
+    checked when the spec is made: a misspelled one is a :class:`ValueError` that
+    names it, so the plugin is refused at registration instead of misreporting.
     """
 
     name: str
@@ -96,6 +113,12 @@ class BackendSpec:
     distribution: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
     torch_bridge: Optional[str] = None
+    launcher: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        problems = _spec_problems(self)
+        if problems:
+            raise ValueError(f"BackendSpec {self.name!r}: " + "; ".join(problems))
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -103,6 +126,44 @@ class BackendSpec:
 
     def supports(self, operation: str, device: str) -> bool:
         return operation in self.operations.get(device, ())
+
+
+def _unknown(names: Any, known: Sequence[str]) -> list[str]:
+    out = []
+    for name in sorted(map(str, names)):
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            out.append(repr(name) + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return out
+
+
+def _spec_problems(spec: BackendSpec) -> list[str]:
+    """What is wrong with ``spec``'s capability keys (empty when nothing is)."""
+    problems = []
+    if not spec.name or not isinstance(spec.name, str):
+        problems.append("name must be a non-empty string")
+    if not callable(spec.factory):
+        problems.append("factory is not callable")
+    known_ops = (*OPERATIONS, ANY_SOURCE_OP)
+    for device, ops in spec.operations.items():
+        if not isinstance(device, str) or not device:
+            problems.append(f"device {device!r} is not a device type name ('cpu', 'cuda')")
+        bad = _unknown(ops, known_ops)
+        if bad:
+            problems.append(f"unknown operation(s) for {device!r}: {', '.join(bad)} (known: {', '.join(known_ops)})")
+    if spec.launcher not in LAUNCHERS:
+        problems.append(f"launcher {spec.launcher!r} is not one of {LAUNCHERS}")
+    unsupported = spec.extra.get("unsupported", {})
+    ops = [op.name for op in ReduceOp]
+    features = [key for key in unsupported if not (
+        (key.startswith("reduce_op.") and key.partition(".")[2] in ops)
+        or (key.startswith("dtype.") and key.partition(".")[2].isidentifier())
+    )]
+    bad = _unknown(features, FEATURES)
+    if bad:
+        problems.append(f"unknown unsupported feature(s): {', '.join(bad)} (known: {', '.join(FEATURES)}, "
+                        "reduce_op.<NAME>, dtype.<name>)")
+    return problems
 
 
 class Backend(abc.ABC):

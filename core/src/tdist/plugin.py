@@ -6,7 +6,7 @@ to this by a lint rule, ``ruff`` TID251, and by ``tests/test_plugin_contract.py`
 
 - registration: :data:`hookimpl`, :data:`HOOKSPEC_VERSION`, :class:`BackendRegistry`,
   :class:`RendezvousRegistry`, :class:`BackendSpec`, :class:`BackendFactory`,
-  :data:`OPERATIONS`, :data:`ANY_SOURCE_OP`;
+  :data:`OPERATIONS`, :data:`ANY_SOURCE_OP`, :data:`FEATURES`, :data:`LAUNCHERS`;
 - the backend: :class:`Backend`, :class:`Work` (and :data:`Timeout`, :func:`seconds`);
 - observing: :class:`WorkInfo`;
 - reductions: :class:`ReduceOp`, :class:`Reduction`, :func:`check_reduction`,
@@ -18,7 +18,7 @@ to this by a lint rule, ``ruff`` TID251, and by ``tests/test_plugin_contract.py`
 
 from __future__ import annotations
 
-from ._backend import ANY_SOURCE_OP, OPERATIONS, Backend, BackendFactory, BackendSpec
+from ._backend import ANY_SOURCE_OP, FEATURES, LAUNCHERS, OPERATIONS, Backend, BackendFactory, BackendSpec
 from ._errors import (
     DistBackendError,
     DistBackendTimeoutError,
@@ -38,7 +38,7 @@ from .reduction import check_reduction, combine_, finalize_, prescale_, prescale
 __all__ = [
     # registration
     "hookimpl", "HOOKSPEC_VERSION", "BackendRegistry", "RendezvousRegistry", "RendezvousHandler",
-    "BackendSpec", "BackendFactory", "OPERATIONS", "ANY_SOURCE_OP",
+    "BackendSpec", "BackendFactory", "OPERATIONS", "ANY_SOURCE_OP", "FEATURES", "LAUNCHERS",
     # the backend and its Work
     "Backend", "Work", "WorkInfo", "Timeout", "seconds",
     # reductions

@@ -100,6 +100,19 @@ def default_backends() -> list[str]:
     return names or ["tcp"]
 
 
+def spec_launcher(backend: str) -> Optional[str]:
+    """How ``backend``'s worlds start: its :attr:`tdist.BackendSpec.launcher` (``"mpirun"`` or None);
+    for torch.distributed's own backends, ``"mpirun"`` for ``mpi``."""
+    if dist_module_name().split(".")[0] != "tdist":
+        return "mpirun" if backend.lower() == "mpi" else None
+    import tdist
+
+    try:
+        return tdist.get_backend_spec(backend).launcher
+    except tdist.DistError:  # not installed: the world reports that when it starts
+        return None
+
+
 class WorldPool:
     """The session's worlds, one per (backend, world size), started on first use."""
 
@@ -131,7 +144,7 @@ class WorldPool:
     def launcher(self, backend: str) -> str:
         choice = self.config.getoption("tdist_launcher", "auto") or "auto"
         if choice == "auto":
-            return "mpi" if backend.lower() == "mpi" else "env"
+            return "mpi" if spec_launcher(backend) == "mpirun" else "env"
         return choice
 
     def world_kwargs(self, backend: str) -> dict:

@@ -36,7 +36,12 @@ def _unsupported_features() -> dict[str, str]:
 
 @hookimpl
 def tdist_register_backends(registry: Any) -> None:
-    registry.add(
+    """Register ``gloo``; torch is asked whether it has gloo when the backend is first asked about."""
+    registry.add_deferred(BACKEND_NAME, _spec)
+
+
+def _spec() -> BackendSpec:
+    return (
         BackendSpec(
             name=BACKEND_NAME,
             factory=_factory,
