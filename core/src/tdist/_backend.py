@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
 from ._reduce_op import ReduceOp, Reduction
 from ._work import Work
+from .reduction import combine_, prescaled
 
 if TYPE_CHECKING:
     import torch
@@ -166,12 +167,27 @@ def _spec_problems(spec: BackendSpec) -> list[str]:
     return problems
 
 
+_SUM = Reduction(ReduceOp.SUM)
+
+
+def _combine_local(tensors: Sequence["torch.Tensor"], op: Reduction) -> tuple["torch.Tensor", Reduction]:
+    """Reduce the local tensors into a new tensor; return it and the op to finish across ranks
+    (PREMUL_SUM's factor is applied here, so SUM finishes it)."""
+    scaled = op.op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM)
+    local = _SUM if scaled else op
+    acc = prescaled(tensors[0], op).clone() if op.op is ReduceOp.PREMUL_SUM else tensors[0].clone()
+    for t in tensors[1:]:
+        combine_(acc, prescaled(t, op).to(acc.device), local)
+    return acc, (_SUM if op.op is ReduceOp.PREMUL_SUM else op)
+
+
 class Backend(abc.ABC):
     """The communication engine of one process group.
 
     Subclasses implement the abstract operations; the ``*_tensor`` / ``_single``
-    variants have defaults built on the list forms that a backend may override with
-    something faster. ``rank`` and ``size`` are the group rank and size.
+    variants have defaults built on the list forms, and the optional ``*_multigpu``
+    forms defaults built on the single-tensor collectives, that a backend may override
+    with something faster. ``rank`` and ``size`` are the group rank and size.
     """
 
     name: str = "backend"
@@ -257,6 +273,55 @@ class Backend(abc.ABC):
         inputs = list(tensor.split(list(input_split_sizes)))
         outputs = list(output.split(list(output_split_sizes)))
         return self.all_to_all(outputs, inputs)
+
+    # ------------------------------------------------ optional: multi-GPU forms
+    # One tensor per local device. A backend that can run them in one call (NCCL group
+    # calls) overrides them; these defaults combine the local tensors, run one collective
+    # of this backend and copy the result out, synchronously (the Work is complete).
+    # The core has checked the lists (same shape/dtype, indices in range, the reduction).
+
+    def all_reduce_multigpu(self, tensors: Sequence["torch.Tensor"], op: Reduction) -> Work:
+        """Every tensor of every rank receives the reduction over all of them."""
+        acc, across = _combine_local(tensors, op)
+        self.all_reduce(acc, _SUM if across.op is ReduceOp.AVG else across).wait()
+        if across.op is ReduceOp.AVG:
+            acc /= self.size * len(tensors)
+        for t in tensors:
+            t.copy_(acc)
+        return Work.completed("all_reduce_multigpu")
+
+    def reduce_multigpu(self, tensors: Sequence["torch.Tensor"], dst: int, op: Reduction, dst_tensor: int) -> Work:
+        """``tensors[dst_tensor]`` of group rank ``dst`` receives the reduction over every tensor of every rank."""
+        acc, across = _combine_local(tensors, op)
+        self.reduce(acc, dst, _SUM if across.op is ReduceOp.AVG else across).wait()
+        if across.op is ReduceOp.AVG:
+            acc /= self.size * len(tensors)
+        if self.rank == dst:
+            tensors[dst_tensor].copy_(acc)
+        return Work.completed("reduce_multigpu")
+
+    def broadcast_multigpu(self, tensors: Sequence["torch.Tensor"], src: int, src_tensor: int) -> Work:
+        """Every tensor of every rank receives ``tensors[src_tensor]`` of group rank ``src``."""
+        source = (tensors[src_tensor] if self.rank == src else tensors[0]).contiguous()
+        self.broadcast(source, src).wait()
+        for t in tensors:
+            if t is not source:
+                t.copy_(source)
+        return Work.completed("broadcast_multigpu")
+
+    def all_gather_multigpu(
+        self, output_lists: Sequence[Sequence["torch.Tensor"]], inputs: Sequence["torch.Tensor"]
+    ) -> Work:
+        """``output_lists[i][k * len(inputs) + j]`` receives ``inputs[j]`` of group rank k, for every i."""
+        import torch
+
+        local = torch.stack([t.to(inputs[0].device).reshape(-1) for t in inputs])
+        gathered = local.new_empty((self.size * len(inputs), local.shape[1]))
+        self.all_gather_into_tensor(gathered, local).wait()
+        for out in output_lists:
+            for k, t in enumerate(out):
+                t.copy_(gathered[k].view(t.shape))
+        return Work.completed("all_gather_multigpu")
 
     def shutdown(self) -> None:
         """Release connections and threads. Called once by ``destroy_process_group``."""
