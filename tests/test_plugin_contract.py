@@ -199,3 +199,21 @@ def test_the_kit_starts_mpi_worlds_as_the_spec_says() -> None:
 
     assert tdist.get_backend_spec("mpi").launcher == "mpirun" and spec_launcher("mpi") == "mpirun"
     assert spec_launcher("tcp") is None and spec_launcher("gloo") is None
+
+
+def test_one_flag_parser_for_every_boolean_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tdist.plugin import flag
+    from tdist_gloo.plugin import _unsupported_features
+
+    assert [flag("T", value=v) for v in ("1", "Yes", " on ", "y", True)] == [True] * 5
+    assert [flag("T", True, value=v) for v in ("0", "False", "off", "n", False)] == [False] * 5
+    monkeypatch.delenv("T", raising=False)
+    assert flag("T") is False and flag("T", True) is True
+    with pytest.raises(ValueError, match="T='enabled': expected 1/true/yes/on or 0/false/no/off"):
+        flag("T", value="enabled")
+    # gloo's spec (what the kit expects) and its backend read TDIST_GLOO_CHECK_COLLECTIVES alike
+    monkeypatch.setenv("TDIST_GLOO_CHECK_COLLECTIVES", "on")
+    assert _unsupported_features() == {}
+    monkeypatch.setenv("TDIST_GLOO_CHECK_COLLECTIVES", "enabled")
+    with pytest.raises(ValueError, match="TDIST_GLOO_CHECK_COLLECTIVES='enabled'"):
+        _unsupported_features()

@@ -12,6 +12,7 @@ to this by a lint rule, ``ruff`` TID251, and by ``tests/test_plugin_contract.py`
 - reductions: :class:`ReduceOp`, :class:`Reduction`, :func:`check_reduction`,
   :func:`combine_`, :func:`prescale_`, :func:`prescaled`, :func:`finalize_`;
 - errors: :class:`DistError` and its subclasses;
+- settings: :func:`flag` (boolean environment variables and ``pg_options``);
 - stores: :class:`Store` (the base a store plugin subclasses) and the stores a
   rendezvous builds on.
 """
@@ -28,6 +29,7 @@ from ._errors import (
     DistStoreError,
     DistStoreTimeoutError,
 )
+from ._flags import flag
 from ._plugins import BackendRegistry, RendezvousHandler, RendezvousRegistry, WorkInfo
 from ._reduce_op import ReduceOp, Reduction, as_reduction
 from ._store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore
@@ -46,6 +48,8 @@ __all__ = [
     # errors
     "DistError", "DistBackendError", "DistBackendTimeoutError", "DistNetworkError", "DistStateError",
     "DistStoreError", "DistStoreTimeoutError",
+    # settings
+    "flag",
     # stores
     "Store", "HashStore", "PrefixStore", "FileStore", "TCPStore", "QueueEmptyError",
 ]

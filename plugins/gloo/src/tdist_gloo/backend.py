@@ -36,7 +36,7 @@ import torch
 import torch.distributed as _td
 
 import tdist
-from tdist import Backend, DistBackendError, DistBackendTimeoutError, DistError, ReduceOp, Work
+from tdist.plugin import Backend, DistBackendError, DistBackendTimeoutError, DistError, ReduceOp, Work, flag
 
 from . import BACKEND_NAME
 from .store_bridge import StoreBridge
@@ -462,10 +462,6 @@ def _describe(row: list) -> str:
     return ", ".join(parts)
 
 
-def _truthy(value: Any) -> bool:
-    return str(value).strip().lower() not in ("", "0", "false", "no", "off")
-
-
 # ------------------------------------------------------------------ backend
 class GlooBackend(Backend):
     """tdist's ``gloo`` backend: a ``ProcessGroupGloo`` for one tdist process group."""
@@ -522,7 +518,7 @@ class GlooBackend(Backend):
         self._closed = False
         self._aborted = False
         check = options.get("gloo_check_collectives")
-        self._check = _truthy(os.environ.get(_CHECK_ENV, "")) if check is None else bool(check)
+        self._check = flag(_CHECK_ENV, value=check)
 
     @property
     def process_group(self) -> Any:

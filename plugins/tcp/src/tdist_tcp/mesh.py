@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
-from tdist.plugin import DistBackendTimeoutError, DistNetworkError, DistStoreTimeoutError
+from tdist.plugin import DistBackendTimeoutError, DistNetworkError, DistStoreTimeoutError, flag
 
 from .auth import ACCEPTED, HELLO, MAC_SIZE, REFUSED, group_key, mac, make_hello, parse_hello, token_mismatch_hint
 
@@ -518,8 +518,7 @@ def connect_mesh(store: Any, rank: int, size: int, timeout: float, options: Mapp
 def _unix_enabled(options: Mapping[str, Any]) -> bool:
     if not sys.platform.startswith("linux") or _AF_UNIX < 0:  # abstract socket names are Linux-only
         return False
-    flag = options.get("unix", os.environ.get(UNIX_ENV, "1"))
-    return str(flag).lower() not in ("0", "false", "no", "off", "")
+    return flag(UNIX_ENV, True, options.get("unix"))
 
 
 def _unix_listener(buffer_bytes: int, size: int) -> tuple[Optional[socket.socket], str]:

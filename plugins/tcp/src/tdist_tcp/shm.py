@@ -62,7 +62,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import numpy as np
-from tdist.plugin import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError, ReduceOp
+from tdist.plugin import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError, ReduceOp, flag
 
 from . import segment
 from .wire import describe
@@ -127,14 +127,10 @@ def _futex_wake(addr: int) -> None:
 _memmove = ctypes.memmove
 
 
-def _flag(value: Any) -> bool:
-    return str(value).strip().lower() not in ("0", "false", "no", "off", "")
-
-
 def shm_enabled(options: Mapping[str, Any]) -> bool:
     """Whether this rank offers shared memory: ``options["shm"]``, else ``$TDIST_TCP_SHM``
     (default on), and only on Linux x86-64 with ``memfd_create`` and ``/proc``."""
-    if not _flag(options.get("shm", os.environ.get(SHM_ENV, "1"))):
+    if not flag(SHM_ENV, True, options.get("shm")):
         return False
     if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
         return False
@@ -388,7 +384,7 @@ class ShmEngine:
         else:  # more ranks than CPUs: the peer often needs our CPU, which the spin yields to it
             spin = (DEFAULT_SPIN_US if self.p <= ncpu else DEFAULT_SPIN_US_OVERSUBSCRIBED) * 1e-6
         self._spin = 0.0 if same_process else spin
-        self._yield = _flag(os.environ.get("TDIST_TCP_SHM_YIELD", "1"))
+        self._yield = flag("TDIST_TCP_SHM_YIELD", True)
 
     def wake(self) -> None:
         """Wake every waiter of this segment (the transport broke or a peer left)."""
