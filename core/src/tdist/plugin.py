@@ -13,6 +13,8 @@ to this by a lint rule, ``ruff`` TID251, and by ``tests/test_plugin_contract.py`
   :func:`combine_`, :func:`prescale_`, :func:`prescaled`, :func:`finalize_`;
 - errors: :class:`DistError` and its subclasses;
 - settings: :func:`flag` (boolean environment variables and ``pg_options``);
+- addresses: :func:`local_address_for`, :func:`store_endpoint`, :func:`route_address`
+  (which local address reaches the job's store);
 - stores: :class:`Store` (the base a store plugin subclasses) and the stores a
   rendezvous builds on.
 """
@@ -20,6 +22,7 @@ to this by a lint rule, ``ruff`` TID251, and by ``tests/test_plugin_contract.py`
 from __future__ import annotations
 
 from ._backend import ANY_SOURCE_OP, FEATURES, LAUNCHERS, OPERATIONS, Backend, BackendFactory, BackendSpec
+from ._endpoint import local_address_for, route_address, store_endpoint
 from ._errors import (
     DistBackendError,
     DistBackendTimeoutError,
@@ -48,8 +51,8 @@ __all__ = [
     # errors
     "DistError", "DistBackendError", "DistBackendTimeoutError", "DistNetworkError", "DistStateError",
     "DistStoreError", "DistStoreTimeoutError",
-    # settings
-    "flag",
+    # settings and addresses
+    "flag", "local_address_for", "route_address", "store_endpoint",
     # stores
     "Store", "HashStore", "PrefixStore", "FileStore", "TCPStore", "QueueEmptyError",
 ]

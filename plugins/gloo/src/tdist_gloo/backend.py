@@ -25,9 +25,7 @@ does) naming the operation and the backend before anything is communicated.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import socket
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -35,8 +33,16 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as _td
 
-import tdist
-from tdist.plugin import Backend, DistBackendError, DistBackendTimeoutError, DistError, ReduceOp, Work, flag
+from tdist.plugin import (
+    Backend,
+    DistBackendError,
+    DistBackendTimeoutError,
+    DistError,
+    ReduceOp,
+    Work,
+    flag,
+    local_address_for,
+)
 
 from . import BACKEND_NAME
 from .store_bridge import StoreBridge
@@ -173,46 +179,6 @@ class GlooWork(Work):
 
 
 # ------------------------------------------------------------ network device
-def _route_to(host: str) -> Optional[str]:
-    """The local address this machine uses to reach ``host`` (127.0.0.1 for loopback)."""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
-    except OSError:
-        return None
-    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first
-    for family, _, _, _, sockaddr in infos:
-        try:
-            ip = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
-        except ValueError:
-            continue
-        if ip.is_loopback or ip.is_unspecified:
-            return "127.0.0.1" if family == socket.AF_INET else "::1"
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as probe:
-                probe.connect((sockaddr[0], 9, *sockaddr[2:]))  # UDP connect sends nothing
-                return str(probe.getsockname()[0])
-        except OSError:
-            continue
-    return None
-
-
-def local_address_for(store: Any) -> Optional[str]:
-    """The address gloo should listen on for a job rendezvousing through ``store``.
-
-    127.0.0.1 for an in-process store or a TCP store on loopback; the address of the
-    interface that routes to the TCP store's host otherwise; None when unknown
-    (a file store: gloo's default device, the host name's address, is used).
-    """
-    while isinstance(store, tdist.PrefixStore):
-        store = store.underlying_store
-    if isinstance(store, tdist.HashStore):
-        return "127.0.0.1"
-    host = getattr(store, "host", None) if isinstance(store, tdist.TCPStore) else None
-    if not host:
-        return None
-    return _route_to(str(host))
-
-
 def make_devices(store: Any, options: Mapping[str, Any]) -> list:
     """gloo devices: ``options["gloo_interface"]`` or ``$GLOO_SOCKET_IFNAME`` (comma-separated
     interface names, one device each), else ``options["gloo_hostname"]`` or
