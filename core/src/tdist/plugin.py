@@ -10,7 +10,8 @@ to this by a lint rule, ``ruff`` TID251, and by ``tests/test_plugin_contract.py`
 - the backend: :class:`Backend`, :class:`Work` (and :data:`Timeout`, :func:`seconds`);
 - observing: :class:`WorkInfo`;
 - reductions: :class:`ReduceOp`, :class:`Reduction`, :func:`check_reduction`,
-  :func:`combine_`, :func:`prescale_`, :func:`prescaled`, :func:`finalize_`;
+  :func:`combine_`, :func:`prescale_`, :func:`prescaled`, :func:`finalize_`,
+  :func:`premul_factor`;
 - errors: :class:`DistError` and its subclasses;
 - settings: :func:`flag` (boolean environment variables and ``pg_options``);
 - addresses: :func:`local_address_for`, :func:`store_endpoint`, :func:`route_address`
@@ -38,7 +39,7 @@ from ._reduce_op import ReduceOp, Reduction, as_reduction
 from ._store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore
 from ._work import Timeout, Work, seconds
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
-from .reduction import check_reduction, combine_, finalize_, prescale_, prescaled
+from .reduction import check_reduction, combine_, finalize_, premul_factor, prescale_, prescaled
 
 __all__ = [
     # registration
@@ -48,6 +49,7 @@ __all__ = [
     "Backend", "Work", "WorkInfo", "Timeout", "seconds",
     # reductions
     "ReduceOp", "Reduction", "as_reduction", "check_reduction", "combine_", "prescale_", "prescaled", "finalize_",
+    "premul_factor",
     # errors
     "DistError", "DistBackendError", "DistBackendTimeoutError", "DistNetworkError", "DistStateError",
     "DistStoreError", "DistStoreTimeoutError",

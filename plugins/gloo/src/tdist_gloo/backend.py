@@ -42,6 +42,7 @@ from tdist.plugin import (
     Work,
     flag,
     local_address_for,
+    premul_factor,
 )
 
 from . import BACKEND_NAME
@@ -290,32 +291,23 @@ def _is_float_factor(factor: Any) -> bool:
     return isinstance(factor, (float, complex))
 
 
-def _factor_for(factor: Any, tensor: Any) -> Any:
-    """PREMUL_SUM's factor as something ``tensor.mul_`` accepts (0-dim, same device)."""
-    if isinstance(factor, torch.Tensor):
-        factor = factor.reshape(())
-        if factor.device != tensor.device:
-            factor = factor.to(tensor.device)
-    return factor
-
-
 def _io_buffer(plan: _Plan, tensor: Any, factor: Any) -> tuple:
     """(buffer gloo reduces in place, finish step or None) for a tensor that is both
     this rank's contribution and the place of the result (all_reduce, reduce)."""
     kind = plan.kind
     if kind == _NATIVE or kind == _REAL:
         if plan.prescale:
-            tensor.mul_(_factor_for(factor, tensor))
+            tensor.mul_(premul_factor(factor, tensor))
         return (torch.view_as_real(tensor) if kind == _REAL else tensor), None
     if kind == _WIDEN:
         buffer = tensor.to(plan.compute)
         if plan.prescale:
-            buffer.mul_(_factor_for(factor, buffer))
+            buffer.mul_(premul_factor(factor, buffer))
         return buffer, lambda: tensor.copy_(buffer)
     # _U64: the int64 view of the same bits
     buffer = tensor.view(torch.int64)
     if plan.prescale:
-        buffer.mul_(_factor_for(factor, buffer))
+        buffer.mul_(premul_factor(factor, buffer))
     if plan.flip:
         buffer.bitwise_xor_(_SIGN_BIT)
         return buffer, lambda: buffer.bitwise_xor_(_SIGN_BIT)
@@ -327,16 +319,16 @@ def _in_buffer(plan: _Plan, tensor: Any, factor: Any) -> Any:
     kind = plan.kind
     if kind == _NATIVE or kind == _REAL:
         if plan.prescale:
-            tensor = tensor * _factor_for(factor, tensor)
+            tensor = tensor * premul_factor(factor, tensor)
         return torch.view_as_real(tensor) if kind == _REAL else tensor
     if kind == _WIDEN:
         buffer = tensor.to(plan.compute)
         if plan.prescale:
-            buffer.mul_(_factor_for(factor, buffer))
+            buffer.mul_(premul_factor(factor, buffer))
         return buffer
     buffer = tensor.view(torch.int64)
     if plan.prescale:
-        buffer = buffer * _factor_for(factor, buffer)
+        buffer = buffer * premul_factor(factor, buffer)
     if plan.flip:
         buffer = buffer ^ _SIGN_BIT
     return buffer

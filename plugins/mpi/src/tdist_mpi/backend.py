@@ -17,9 +17,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from tdist import Backend, DistBackendError, Reduction, Work
+from tdist.plugin import Backend, DistBackendError, Reduction, Work, premul_factor
 
-from ._dtypes import Plan, Tables, buffer, premul_factor
+from ._dtypes import Plan, Tables, buffer
 from ._runtime import CHECK_ENV, Runtime, check_collectives_default, mpi_error, runtime
 from ._work import MPIWork
 
