@@ -57,7 +57,6 @@ FEATURES: tuple[str, ...] = ("multigpu", "monitored_barrier", "p2p_tags", "colle
 LAUNCHERS: tuple[Optional[str], ...] = (None, "mpirun")
 
 
-
 class BackendFactory(Protocol):
     """What :attr:`BackendSpec.factory` is: builds the backend of one process group.
 
@@ -130,7 +129,7 @@ class BackendSpec:
 
 
 def _unknown(names: Any, known: Sequence[str]) -> list[str]:
-    out = []
+    out: list[str] = []
     for name in sorted(map(str, names)):
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
@@ -140,7 +139,7 @@ def _unknown(names: Any, known: Sequence[str]) -> list[str]:
 
 def _spec_problems(spec: BackendSpec) -> list[str]:
     """What is wrong with ``spec``'s capability keys (empty when nothing is)."""
-    problems = []
+    problems: list[str] = []
     if not spec.name or not isinstance(spec.name, str):
         problems.append("name must be a non-empty string")
     if not callable(spec.factory):
@@ -156,7 +155,7 @@ def _spec_problems(spec: BackendSpec) -> list[str]:
         problems.append(f"launcher {spec.launcher!r} is not one of {LAUNCHERS}")
     unsupported = spec.extra.get("unsupported", {})
     ops = [op.name for op in ReduceOp]
-    features = [key for key in unsupported if not (
+    features = [str(key) for key in unsupported if not isinstance(key, str) or not (
         (key.startswith("reduce_op.") and key.partition(".")[2] in ops)
         or (key.startswith("dtype.") and key.partition(".")[2].isidentifier())
     )]
