@@ -13,17 +13,19 @@ core waits on it unless the caller passed ``async_op=True``.
 from __future__ import annotations
 
 import abc
+import difflib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
-from ._reduce_op import Reduction
+from ._reduce_op import ReduceOp, Reduction
 from ._work import Work
+from .reduction import combine_, prescaled
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Backend", "BackendSpec", "BackendFactory", "OPERATIONS", "ANY_SOURCE_OP"]
+__all__ = ["Backend", "BackendSpec", "BackendFactory", "OPERATIONS", "ANY_SOURCE_OP", "FEATURES", "LAUNCHERS"]
 
 #: The operation names a :class:`BackendSpec` may declare per device type.
 OPERATIONS: tuple[str, ...] = (
@@ -45,7 +47,37 @@ OPERATIONS: tuple[str, ...] = (
 #: Declared in addition to "recv" by backends that can receive from any source.
 ANY_SOURCE_OP = "recv_anysource"
 
-BackendFactory = Callable[..., "Backend"]
+#: The finer features a backend may declare unsupported in ``BackendSpec.extra["unsupported"]``
+#: (``{key: why}``), besides ``reduce_op.<ReduceOp name>`` and ``dtype.<torch dtype name>``;
+#: the conformance kit (:mod:`tdist.testing.capabilities`) explains each.
+FEATURES: tuple[str, ...] = ("multigpu", "monitored_barrier", "p2p_tags", "collective_mismatch", "peer_failure")
+
+#: How the conformance kit starts a world of a backend (:attr:`BackendSpec.launcher`):
+#: None, one process per rank (``env://``); ``"mpirun"``, every rank under one ``mpirun``.
+LAUNCHERS: tuple[Optional[str], ...] = (None, "mpirun")
+
+
+class BackendFactory(Protocol):
+    """What :attr:`BackendSpec.factory` is: builds the backend of one process group.
+
+    ``store`` is the group's store (already prefixed for the group and backend),
+    ``rank``/``world_size`` the group rank and size, ``timeout`` the group's timeout,
+    ``options`` the caller's ``pg_options`` (a dict), ``global_ranks`` the global rank
+    of each group rank. A factory that declares ``secret`` (or ``**kwargs``) also
+    receives the job's key for this backend (32 bytes, b"" without a store token).
+    """
+
+    def __call__(
+        self,
+        *,
+        store: Any,
+        rank: int,
+        world_size: int,
+        timeout: timedelta,
+        options: dict[str, Any],
+        global_ranks: list[int],
+        **kwargs: Any,
+    ) -> "Backend": ...
 
 
 @dataclass(frozen=True)
@@ -59,10 +91,17 @@ class BackendSpec:
     ``available`` is None when usable, else the reason it is not (e.g. "no GPU").
     ``default_init_method`` is the init method used when the caller names none
     (e.g. ``"mpi://"`` for a backend whose launcher provides rank and size);
-    None means ``env://``. ``torch_bridge`` is None when tdist can serve
+    None means ``env://``. ``launcher`` says how a job of this backend is started
+    (see :data:`LAUNCHERS`: ``"mpirun"`` for a backend whose ranks must share one
+    ``mpirun``). ``torch_bridge`` is None when tdist can serve
     ``torch.distributed`` through this backend (as torch's backend ``tdist-<name>``,
     and as torch's default group after ``tdist.init_process_group``), else the reason
-    it cannot.
+    it cannot. ``extra["unsupported"]`` maps :data:`FEATURES` keys the backend lacks
+    to why.
+
+    The capability keys (operation names, ``unsupported`` keys, the launcher) are
+    checked when the spec is made: a misspelled one is a :class:`ValueError` that
+    names it, so the plugin is refused at registration instead of misreporting.
     """
 
     name: str
@@ -74,6 +113,12 @@ class BackendSpec:
     distribution: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
     torch_bridge: Optional[str] = None
+    launcher: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        problems = _spec_problems(self)
+        if problems:
+            raise ValueError(f"BackendSpec {self.name!r}: " + "; ".join(problems))
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -83,12 +128,65 @@ class BackendSpec:
         return operation in self.operations.get(device, ())
 
 
+def _unknown(names: Any, known: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for name in sorted(map(str, names)):
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            out.append(repr(name) + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return out
+
+
+def _spec_problems(spec: BackendSpec) -> list[str]:
+    """What is wrong with ``spec``'s capability keys (empty when nothing is)."""
+    problems: list[str] = []
+    if not spec.name or not isinstance(spec.name, str):
+        problems.append("name must be a non-empty string")
+    if not callable(spec.factory):
+        problems.append("factory is not callable")
+    known_ops = (*OPERATIONS, ANY_SOURCE_OP)
+    for device, ops in spec.operations.items():
+        if not isinstance(device, str) or not device:
+            problems.append(f"device {device!r} is not a device type name ('cpu', 'cuda')")
+        bad = _unknown(ops, known_ops)
+        if bad:
+            problems.append(f"unknown operation(s) for {device!r}: {', '.join(bad)} (known: {', '.join(known_ops)})")
+    if spec.launcher not in LAUNCHERS:
+        problems.append(f"launcher {spec.launcher!r} is not one of {LAUNCHERS}")
+    unsupported = spec.extra.get("unsupported", {})
+    reduce_ops = [op.name for op in ReduceOp]
+    features = [str(key) for key in unsupported if not isinstance(key, str) or not (
+        (key.startswith("reduce_op.") and key.partition(".")[2] in reduce_ops)
+        or (key.startswith("dtype.") and key.partition(".")[2].isidentifier())
+    )]
+    bad = _unknown(features, FEATURES)
+    if bad:
+        problems.append(f"unknown unsupported feature(s): {', '.join(bad)} (known: {', '.join(FEATURES)}, "
+                        "reduce_op.<NAME>, dtype.<name>)")
+    return problems
+
+
+_SUM = Reduction(ReduceOp.SUM)
+
+
+def _combine_local(tensors: Sequence["torch.Tensor"], op: Reduction) -> tuple["torch.Tensor", Reduction]:
+    """Reduce the local tensors into a new tensor; return it and the op to finish across ranks
+    (PREMUL_SUM's factor is applied here, so SUM finishes it)."""
+    scaled = op.op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM)
+    local = _SUM if scaled else op
+    acc = prescaled(tensors[0], op).clone() if op.op is ReduceOp.PREMUL_SUM else tensors[0].clone()
+    for t in tensors[1:]:
+        combine_(acc, prescaled(t, op).to(acc.device), local)
+    return acc, (_SUM if op.op is ReduceOp.PREMUL_SUM else op)
+
+
 class Backend(abc.ABC):
     """The communication engine of one process group.
 
     Subclasses implement the abstract operations; the ``*_tensor`` / ``_single``
-    variants have defaults built on the list forms that a backend may override with
-    something faster. ``rank`` and ``size`` are the group rank and size.
+    variants have defaults built on the list forms, and the optional ``*_multigpu``
+    forms defaults built on the single-tensor collectives, that a backend may override
+    with something faster. ``rank`` and ``size`` are the group rank and size.
     """
 
     name: str = "backend"
@@ -174,6 +272,55 @@ class Backend(abc.ABC):
         inputs = list(tensor.split(list(input_split_sizes)))
         outputs = list(output.split(list(output_split_sizes)))
         return self.all_to_all(outputs, inputs)
+
+    # ------------------------------------------------ optional: multi-GPU forms
+    # One tensor per local device. A backend that can run them in one call (NCCL group
+    # calls) overrides them; these defaults combine the local tensors, run one collective
+    # of this backend and copy the result out, synchronously (the Work is complete).
+    # The core has checked the lists (same shape/dtype, indices in range, the reduction).
+
+    def all_reduce_multigpu(self, tensors: Sequence["torch.Tensor"], op: Reduction) -> Work:
+        """Every tensor of every rank receives the reduction over all of them."""
+        acc, across = _combine_local(tensors, op)
+        self.all_reduce(acc, _SUM if across.op is ReduceOp.AVG else across).wait()
+        if across.op is ReduceOp.AVG:
+            acc /= self.size * len(tensors)
+        for t in tensors:
+            t.copy_(acc)
+        return Work.completed("all_reduce_multigpu")
+
+    def reduce_multigpu(self, tensors: Sequence["torch.Tensor"], dst: int, op: Reduction, dst_tensor: int) -> Work:
+        """``tensors[dst_tensor]`` of group rank ``dst`` receives the reduction over every tensor of every rank."""
+        acc, across = _combine_local(tensors, op)
+        self.reduce(acc, dst, _SUM if across.op is ReduceOp.AVG else across).wait()
+        if across.op is ReduceOp.AVG:
+            acc /= self.size * len(tensors)
+        if self.rank == dst:
+            tensors[dst_tensor].copy_(acc)
+        return Work.completed("reduce_multigpu")
+
+    def broadcast_multigpu(self, tensors: Sequence["torch.Tensor"], src: int, src_tensor: int) -> Work:
+        """Every tensor of every rank receives ``tensors[src_tensor]`` of group rank ``src``."""
+        source = (tensors[src_tensor] if self.rank == src else tensors[0]).contiguous()
+        self.broadcast(source, src).wait()
+        for t in tensors:
+            if t is not source:
+                t.copy_(source)
+        return Work.completed("broadcast_multigpu")
+
+    def all_gather_multigpu(
+        self, output_lists: Sequence[Sequence["torch.Tensor"]], inputs: Sequence["torch.Tensor"]
+    ) -> Work:
+        """``output_lists[i][k * len(inputs) + j]`` receives ``inputs[j]`` of group rank k, for every i."""
+        import torch
+
+        local = torch.stack([t.to(inputs[0].device).reshape(-1) for t in inputs])
+        gathered = local.new_empty((self.size * len(inputs), local.shape[1]))
+        self.all_gather_into_tensor(gathered, local).wait()
+        for out in output_lists:
+            for k, t in enumerate(out):
+                t.copy_(gathered[k].view(t.shape))
+        return Work.completed("all_gather_multigpu")
 
     def shutdown(self) -> None:
         """Release connections and threads. Called once by ``destroy_process_group``."""

@@ -7,7 +7,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ._backend import Backend
-from ._errors import DistError
+from ._errors import DistBackendTimeoutError, DistError
 from ._groups import ProcessGroup
 from ._observe import completed, describe, failed, issued, watch
 from ._plugins import plugins
@@ -32,60 +32,57 @@ def device_of(tensors: Sequence["torch.Tensor"], operation: str) -> str:
 
 class StagedWork(Work):
     """Wraps a backend's Work; when it completes, copies staged outputs back into
-    the caller's non-contiguous tensors (once, before ``wait`` returns)."""
+    the caller's non-contiguous tensors, then completes itself (before ``wait`` returns)."""
 
-    __slots__ = ("_inner", "_copies", "_copied", "_copy_lock")
+    __slots__ = ("_inner", "_copies", "_adopt_lock", "_watching")
 
     def __init__(self, inner: Work, copies: list[tuple["torch.Tensor", "torch.Tensor"]]) -> None:
         super().__init__(inner.op, inner.default_timeout)
         self._inner = inner
         self._copies = copies
-        self._copied = False
-        self._copy_lock = threading.Lock()
+        self._adopt_lock = threading.Lock()
+        self._watching = False
 
-    def _copy_back(self) -> None:
-        with self._copy_lock:
-            if not self._copied:
-                self._copied = True
-                if self._inner.is_success():
+    def _adopt(self, inner: Work) -> None:
+        """The inner Work is done: copy back (on success) and complete with its outcome, once."""
+        with self._adopt_lock:
+            if self._done:
+                return
+            error = inner._exc
+            if error is None:
+                try:
                     for target, staged in self._copies:
                         target.copy_(staged)
+                except Exception as exc:
+                    error = exc
+            if error is None:
+                self.set_result(inner._result, inner._source_rank)
+            else:
+                self.set_exception(error)
 
-    def wait(self, timeout: Timeout = None) -> bool:
-        self._inner.wait(timeout)
-        self._copy_back()
-        return True
-
-    def is_completed(self) -> bool:
+    def _poll(self) -> bool:
         if self._inner.is_completed():
-            self._copy_back()
+            self._adopt(self._inner)
             return True
         return False
 
-    def is_success(self) -> bool:
-        return self.is_completed() and self._inner.is_success()
+    def _block(self, timeout: Optional[float]) -> bool:
+        try:
+            self._inner.wait(timeout)
+        except Exception as exc:
+            if not self._inner.is_completed():
+                if isinstance(exc, DistBackendTimeoutError):
+                    return False  # the inner wait timed out
+                raise
+        self._adopt(self._inner)
+        return True
 
-    def exception(self) -> Optional[BaseException]:
-        return self._inner.exception()
-
-    def result(self) -> list[Any]:
-        self.wait()
-        return self._inner.result()
-
-    def source_rank(self) -> int:
-        self.wait()
-        return self._inner.source_rank()
-
-    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
-        def _done(_inner: Work) -> None:
-            self._copy_back()
-            callback(self)
-
-        self._inner.add_done_callback(_done)
-
-    def get_future(self) -> Any:
-        self._inner.add_done_callback(lambda _inner: self._copy_back())
-        return self._inner.get_future()
+    def _watch(self) -> None:
+        with self._adopt_lock:
+            if self._watching:
+                return
+            self._watching = True
+        self._inner.add_done_callback(self._adopt)
 
 
 def contiguous_view(

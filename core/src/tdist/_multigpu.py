@@ -1,51 +1,26 @@
-"""The multi-GPU collectives of torch.distributed's 2017 docs: one tensor per local device.
+"""The multi-GPU collectives of torch.distributed 1.x: one tensor per local device.
 
-A backend may implement them natively (NCCL group calls) by defining a method
-of the same name; otherwise the core composes them from the single-tensor
-collective: combine the local tensors, run one collective, copy the result to
-every local tensor. The composed form works on every backend and device (CPU
-tensor lists included); it runs synchronously, and with ``async_op=True``
-returns an already completed Work.
+The core checks the arguments and issues the backend's ``*_multigpu`` operation
+(:class:`tdist.Backend` declares them, with defaults that compose them from the
+backend's single-tensor collective: combine the local tensors, run one collective,
+copy the result to every local tensor, synchronously; NCCL runs them natively).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from . import _collectives as coll
 from ._dispatch import issue
 from ._groups import resolve_group, warn_not_member
-from ._reduce_op import ReduceOp, Reduction, as_reduction
+from ._reduce_op import ReduceOp, as_reduction
 from ._validate import check_tensor_list
 from ._work import Work
-from .reduction import check_reduction, combine_, prescaled
+from .reduction import check_reduction
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["broadcast_multigpu", "all_reduce_multigpu", "reduce_multigpu", "all_gather_multigpu"]
-
-_SUM = Reduction(ReduceOp.SUM)
-
-
-def _native(pg: Any, name: str, device: str) -> Any:
-    """The backend's own ``name`` method for ``device`` tensors, or None (compose instead).
-    Support is checked once, by ``issue`` or by the composed collective."""
-    return getattr(pg.backends.get(device), name, None)
-
-
-def _done(async_op: bool, op: str) -> Optional[Work]:
-    return Work.completed(op) if async_op else None
-
-
-def _combine_local(tensors: list["torch.Tensor"], op: Reduction) -> tuple["torch.Tensor", Reduction]:
-    """Reduce the local tensors into a new tensor; return it and the op to finish across ranks."""
-    scaled = op.op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM)
-    local = _SUM if scaled else op
-    acc = prescaled(tensors[0], op).clone() if op.op is ReduceOp.PREMUL_SUM else tensors[0].clone()
-    for t in tensors[1:]:
-        combine_(acc, prescaled(t, op).to(acc.device), local)
-    return acc, (_SUM if op.op is ReduceOp.PREMUL_SUM else op)
 
 
 def all_reduce_multigpu(
@@ -59,18 +34,9 @@ def all_reduce_multigpu(
     if pg is None:
         warn_not_member("all_reduce_multigpu")
         return None
-    native = _native(pg, "all_reduce_multigpu", tensors[0].device.type)
-    if native is not None:
-        return issue(pg, "all_reduce", tensors[0].device.type, lambda b: native(tensors, reduction), async_op)
-    acc, across = _combine_local(tensors, reduction)
-    if across.op is ReduceOp.AVG:
-        coll.all_reduce(acc, ReduceOp.SUM, group=group)
-        acc /= pg.size * len(tensors)
-    else:
-        coll.all_reduce(acc, across, group=group)
-    for t in tensors:
-        t.copy_(acc)
-    return _done(async_op, "all_reduce_multigpu")
+    return issue(
+        pg, "all_reduce", tensors[0].device.type, lambda b: b.all_reduce_multigpu(tensors, reduction), async_op
+    )
 
 
 def reduce_multigpu(
@@ -87,21 +53,11 @@ def reduce_multigpu(
     if pg is None:
         warn_not_member("reduce_multigpu")
         return None
-    native = _native(pg, "reduce_multigpu", tensors[0].device.type)
-    if native is not None:
-        root = pg.group_rank(dst, "dst")
-        return issue(
-            pg, "reduce", tensors[0].device.type, lambda b: native(tensors, root, reduction, dst_tensor), async_op
-        )
-    acc, across = _combine_local(tensors, reduction)
-    if across.op is ReduceOp.AVG:
-        coll.reduce(acc, dst, ReduceOp.SUM, group=group)
-        acc /= pg.size * len(tensors)
-    else:
-        coll.reduce(acc, dst, across, group=group)
-    if pg.ranks[pg.rank] == dst:
-        tensors[dst_tensor].copy_(acc)
-    return _done(async_op, "reduce_multigpu")
+    root = pg.group_rank(dst, "dst")
+    return issue(
+        pg, "reduce", tensors[0].device.type, lambda b: b.reduce_multigpu(tensors, root, reduction, dst_tensor),
+        async_op,
+    )
 
 
 def broadcast_multigpu(
@@ -115,18 +71,10 @@ def broadcast_multigpu(
     if pg is None:
         warn_not_member("broadcast_multigpu")
         return None
-    native = _native(pg, "broadcast_multigpu", tensors[0].device.type)
-    if native is not None:
-        root = pg.group_rank(src, "src")
-        return issue(
-            pg, "broadcast", tensors[0].device.type, lambda b: native(tensors, root, src_tensor), async_op
-        )
-    source = tensors[src_tensor] if pg.ranks[pg.rank] == src else tensors[0]
-    coll.broadcast(source, src, group=group)
-    for t in tensors:
-        if t is not source:
-            t.copy_(source)
-    return _done(async_op, "broadcast_multigpu")
+    root = pg.group_rank(src, "src")
+    return issue(
+        pg, "broadcast", tensors[0].device.type, lambda b: b.broadcast_multigpu(tensors, root, src_tensor), async_op
+    )
 
 
 def all_gather_multigpu(
@@ -149,15 +97,4 @@ def all_gather_multigpu(
         check_tensor_list("all_gather_multigpu", f"output_tensor_lists[{i}]", out, expected, like=inputs[0])
         for i, out in enumerate(output_tensor_lists)
     ]
-    native = _native(pg, "all_gather_multigpu", inputs[0].device.type)
-    if native is not None:
-        return issue(pg, "all_gather", inputs[0].device.type, lambda b: native(outputs, inputs), async_op)
-    import torch
-
-    local = torch.stack([t.to(inputs[0].device).reshape(-1) for t in inputs])
-    gathered = local.new_empty((pg.size * len(inputs), local.shape[1]))
-    coll.all_gather_into_tensor(gathered, local, group=group)
-    for out in outputs:
-        for k, t in enumerate(out):
-            t.copy_(gathered[k].view(t.shape))
-    return _done(async_op, "all_gather_multigpu")
+    return issue(pg, "all_gather", inputs[0].device.type, lambda b: b.all_gather_multigpu(outputs, inputs), async_op)

@@ -14,8 +14,10 @@ The core calls hooks only through :class:`Plugins`' typed methods.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.metadata
+import logging
 import os
 import threading
 import time
@@ -42,36 +44,83 @@ __all__ = [
 ENTRY_POINT_GROUP = "tdist"
 DISABLE_ENV = "TDIST_DISABLED_PLUGINS"
 
+_log = logging.getLogger("tdist")
+
 RendezvousHandler = Callable[..., tuple]
 
 
 class BackendRegistry:
-    """Collects the :class:`BackendSpec` objects plugins register (names are lower-case)."""
+    """Collects the :class:`BackendSpec` objects plugins register (names are lower-case).
+
+    A plugin whose spec needs a probe of the machine (loading MPI, looking for a GPU)
+    registers it with :meth:`add_deferred`: the probe then runs when the backend is
+    first asked about, never because another backend's group was created.
+    """
 
     def __init__(self) -> None:
         self._specs: dict[str, BackendSpec] = {}
+        self._deferred: dict[str, tuple[str, Callable[[], BackendSpec]]] = {}
         self.current_plugin = ""
+
+    def _check_new(self, name: str) -> None:
+        if name in self._specs or name in self._deferred:
+            first = self._specs[name].distribution if name in self._specs else self._deferred[name][0]
+            raise DistError(f"backend {name!r} registered twice (by {first!r} and {self.current_plugin!r})")
 
     def add(self, spec: BackendSpec) -> None:
         """Register ``spec``; a name registered twice is an error naming both plugins."""
         name = spec.name.lower()
-        if name in self._specs:
-            raise DistError(
-                f"backend {name!r} registered twice (by {self._specs[name].distribution!r} "
-                f"and {self.current_plugin!r})"
-            )
-        if not spec.distribution:
-            spec = BackendSpec(**{**spec.__dict__, "name": name, "distribution": self.current_plugin})
-        self._specs[name] = spec
+        self._check_new(name)
+        self._specs[name] = self._owned(spec, self.current_plugin)
+
+    def add_deferred(self, name: str, make_spec: Callable[[], BackendSpec]) -> None:
+        """Register backend ``name``, whose spec ``make_spec()`` makes on first use (once).
+        If ``make_spec`` raises, the backend is registered as unavailable with the error."""
+        name = name.lower()
+        self._check_new(name)
+        self._deferred[name] = (self.current_plugin, make_spec)
+
+    @staticmethod
+    def _owned(spec: BackendSpec, plugin: str) -> BackendSpec:
+        if spec.distribution and spec.name == spec.name.lower():
+            return spec
+        return dataclasses.replace(spec, name=spec.name.lower(), distribution=spec.distribution or plugin)
+
+    def _resolve(self, name: str) -> None:
+        plugin, make_spec = self._deferred.pop(name)
+        try:
+            spec = make_spec()
+            if spec.name.lower() != name:
+                raise DistError(f"the deferred spec of backend {name!r} is named {spec.name!r}")
+        except Exception as exc:  # a broken probe makes the backend unavailable, not tdist unusable
+            reason = f"probing the backend failed: {type(exc).__name__}: {exc}"
+            spec = BackendSpec(name=name, factory=_unavailable(reason), operations={}, available=reason)
+        self._specs[name] = self._owned(spec, plugin)
 
     def get(self, name: str) -> Optional[BackendSpec]:
-        return self._specs.get(name.lower())
+        name = name.lower()
+        if name in self._deferred:
+            self._resolve(name)
+        return self._specs.get(name)
 
     def names(self) -> list[str]:
-        return sorted(self._specs)
+        return sorted({*self._specs, *self._deferred})
 
     def specs(self) -> list[BackendSpec]:
-        return [self._specs[name] for name in self.names()]
+        return [spec for spec in map(self.get, self.names()) if spec is not None]
+
+    def _snapshot(self) -> tuple[dict, dict]:
+        return dict(self._specs), dict(self._deferred)
+
+    def _restore(self, snapshot: tuple[dict, dict]) -> None:
+        self._specs, self._deferred = dict(snapshot[0]), dict(snapshot[1])
+
+
+def _unavailable(reason: str) -> Callable[..., Any]:
+    def factory(**_kwargs: Any) -> Any:
+        raise DistError(reason)
+
+    return factory
 
 
 class RendezvousRegistry:
@@ -242,6 +291,7 @@ class Plugins:
         record = PluginRecord(ep.name, dist, version)
         self.records.append(record)
         if ep.name in disabled:
+            self._pm.set_blocked(ep.name)  # never imported; register() under this name is refused too
             record.error = f"disabled by {DISABLE_ENV}"
             return
         try:
@@ -271,20 +321,20 @@ class Plugins:
     def _register_from(self, record: PluginRecord, plugin: Any) -> None:
         """Run the plugin's registration hooks; if one fails, undo everything the plugin
         registered (backends, init methods, hooks) and record why."""
-        backends, schemes = dict(self.backends._specs), dict(self.rendezvous._handlers)
+        backends, schemes = self.backends._snapshot(), dict(self.rendezvous._handlers)
         for hook_name, registry in (
             ("tdist_register_backends", self.backends),
             ("tdist_register_rendezvous", self.rendezvous),
         ):
-            impl = getattr(plugin, hook_name, None)
-            if impl is None:
-                continue
+            impls = [impl for impl in getattr(self._pm.hook, hook_name).get_hookimpls() if impl.plugin is plugin]
             self.backends.current_plugin = record.distribution or record.name
             try:
-                impl(registry=registry)
+                for impl in impls:
+                    impl.function(registry=registry)
             except Exception as exc:
                 record.error = f"{hook_name} failed: {type(exc).__name__}: {exc}"
-                self.backends._specs, self.rendezvous._handlers = backends, schemes
+                self.backends._restore(backends)
+                self.rendezvous._handlers = schemes
                 self._pm.unregister(plugin)
                 return
 
@@ -294,36 +344,59 @@ class Plugins:
         """True when some plugin implements a work hook (else the core skips them)."""
         return self._work_hooks
 
+    def _notify(self, hook_name: str, **kwargs: Any) -> None:
+        """Call every observer of ``hook_name``; one that raises is logged and skipped, so it
+        neither reaches the thread that completed the operation nor silences the others."""
+        caller = getattr(self._pm.hook, hook_name)
+        impls = caller.get_hookimpls()
+        if any(impl.hookwrapper or getattr(impl, "wrapper", False) for impl in impls):  # pluggy must call
+            calls: list[tuple[str, Callable[..., Any], dict[str, Any]]] = [("(all, with wrappers)", caller, kwargs)]
+        else:  # pluggy's call order; each gets only the arguments it declares (older contracts declare fewer)
+            calls = [(impl.plugin_name, impl.function, {k: kwargs[k] for k in impl.argnames}) for impl in reversed(impls)]
+        for name, call, arguments in calls:
+            try:
+                call(**arguments)
+            except Exception:
+                _log.exception("tdist: observer %s of plugin %r raised; ignored", hook_name, name)
+
     def work_issued(self, info: WorkInfo) -> None:
         if self._issued is None:
-            self._pm.hook.tdist_work_issued(info=info)
+            self._notify("tdist_work_issued", info=info)
             return
         for function in self._issued:
-            function(info)
+            try:
+                function(info)
+            except Exception:
+                _log.exception("tdist: observer tdist_work_issued %r raised; ignored", function)
 
     def work_completed(self, info: WorkInfo, duration: float) -> None:
         if self._completed is None:
-            self._pm.hook.tdist_work_completed(info=info, duration=duration)
+            self._notify("tdist_work_completed", info=info, duration=duration)
             return
         for function in self._completed:
-            function(info, duration)
+            try:
+                function(info, duration)
+            except Exception:
+                _log.exception("tdist: observer tdist_work_completed %r raised; ignored", function)
 
     def work_failed(self, info: WorkInfo, error: BaseException, duration: float) -> None:
-        self._pm.hook.tdist_work_failed(info=info, error=error, duration=duration)
+        self._notify("tdist_work_failed", info=info, error=error, duration=duration)
 
     def group_created(self, name: str, ranks: list[int], rank: int, backend: str) -> None:
         if self._group_hooks:
-            self._pm.hook.tdist_group_created(name=name, ranks=list(ranks), rank=rank, backend=backend)
+            self._notify("tdist_group_created", name=name, ranks=list(ranks), rank=rank, backend=backend)
 
     def group_destroyed(self, name: str, ranks: list[int], rank: int, backend: str) -> None:
         if self._group_hooks:
-            self._pm.hook.tdist_group_destroyed(name=name, ranks=list(ranks), rank=rank, backend=backend)
+            self._notify("tdist_group_destroyed", name=name, ranks=list(ranks), rank=rank, backend=backend)
 
     def default_backend(self, device: str) -> Optional[str]:
         return self._pm.hook.tdist_default_backend(device=device)
 
     def register(self, plugin: Any, name: str) -> None:
         """Register an in-process plugin object (for tests and embedding)."""
+        if self._pm.is_blocked(name):
+            raise DistError(f"plugin {name!r} refused: disabled by {DISABLE_ENV}")
         problem = _version_error(plugin)
         if problem:
             raise DistError(f"plugin {name!r} refused: {problem}")

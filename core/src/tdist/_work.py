@@ -1,13 +1,25 @@
 """``Work``: the handle of an operation that may still be running.
 
 Backends create a :class:`Work`, return it at once and later call
-:meth:`Work.set_result` or :meth:`Work.set_exception` from any thread. A backend
-whose library has its own request objects (MPI, gloo) subclasses :class:`Work`
-and overrides :meth:`_wait_impl` / :meth:`is_completed`.
+:meth:`Work.set_result` or :meth:`Work.set_exception` from any thread.
+
+A backend whose library has its own request objects (MPI, gloo, CUDA events)
+subclasses :class:`Work` as a template and implements at most three hooks:
+
+- :meth:`Work._poll`: without blocking, whether the operation has finished (completing
+  the Work when it has);
+- :meth:`Work._block`: block until it has finished or a timeout passes;
+- :meth:`Work._watch`: a done-callback waits on a pending Work: make sure something
+  notices completion (a poller thread) when nothing else would.
+
+``wait``, ``is_completed``, callbacks and futures are the base class's. A done-callback
+(a work hook, a future) that raises is logged and ignored: it never reaches the
+backend's thread that completed the Work, and the remaining callbacks still run.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
@@ -17,6 +29,12 @@ from ._errors import DistBackendError, DistBackendTimeoutError, DistError
 __all__ = ["Work", "Timeout", "seconds"]
 
 Timeout = Union[timedelta, float, int, None]
+
+_log = logging.getLogger("tdist")
+
+#: Guards the short state changes of every Work (publishing a result, adding a callback,
+#: creating the Event): one lock for all of them keeps a Work as cheap as a plain object.
+_STATE_LOCK = threading.Lock()
 
 
 def seconds(timeout: Timeout, default: Optional[float] = None) -> Optional[float]:
@@ -36,7 +54,7 @@ class Work:
     ``is_completed`` is True once ``wait`` has returned.
     """
 
-    __slots__ = ("op", "_done", "_event", "_result", "_exc", "_source_rank", "_callbacks", "_lock", "default_timeout")
+    __slots__ = ("op", "_done", "_event", "_result", "_exc", "_source_rank", "_callbacks", "default_timeout")
 
     def __init__(self, op: str = "op", default_timeout: Optional[float] = None) -> None:
         self.op = op
@@ -46,14 +64,13 @@ class Work:
         self._result: Sequence[Any] = ()
         self._exc: Optional[BaseException] = None
         self._source_rank: int = -1
-        self._callbacks: list[Callable[["Work"], None]] = []
-        self._lock = threading.Lock()
+        self._callbacks: Optional[list[Callable[["Work"], None]]] = None
 
     # ----------------------------------------------------------------- producers
     @classmethod
     def completed(cls, op: str, result: Sequence[Any] = (), source_rank: int = -1) -> "Work":
         """A Work that is already done (for operations that ran synchronously)."""
-        work = cls(op)
+        work = Work(op)
         work.set_result(result, source_rank)
         return work
 
@@ -69,33 +86,53 @@ class Work:
         self._finish("set_exception", (), -1, exc)
 
     def _finish(self, how: str, result: Sequence[Any], source_rank: int, exc: Optional[BaseException]) -> None:
-        with self._lock:
+        with _STATE_LOCK:
             if self._done:
                 state = f"failed with {type(self._exc).__name__}" if self._exc is not None else "succeeded"
                 raise DistError(f"{self.op}: {how}() on a Work that already {state}; a backend completes "
                                 "each Work exactly once")
             self._result, self._source_rank, self._exc = result, source_rank, exc
             self._done = True
-            if self._event is not None:
-                self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
+            event = self._event
+            callbacks, self._callbacks = self._callbacks, None
+        if event is not None:
+            event.set()
+        if callbacks:
+            for callback in callbacks:
+                self._call(callback)
+
+    def _call(self, callback: Callable[["Work"], None]) -> None:
+        """Run one done-callback; its error is logged, never raised into the completing thread."""
+        try:
             callback(self)
+        except Exception:
+            _log.exception("tdist: a done-callback of Work %r raised; ignored", self.op)
 
     def add_done_callback(self, callback: Callable[["Work"], None]) -> None:
-        """Call ``callback(work)`` once the work is done (at once if it already is)."""
-        with self._lock:
-            if not self._done:
+        """Call ``callback(work)`` once the work is done (at once if it already is). An
+        exception ``callback`` raises is logged and ignored."""
+        with _STATE_LOCK:
+            pending = not self._done
+            if pending:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(callback)
-                return
-        callback(self)
+        if pending:
+            self._watch()
+        else:
+            self._call(callback)
 
-    # ----------------------------------------------------------------- consumers
-    def _wait_impl(self, timeout: Optional[float]) -> bool:
-        """Block until done or ``timeout`` seconds pass; return whether it is done."""
-        if self._done:
-            return True
-        with self._lock:
+    # ------------------------------------------------------------ template hooks
+    def _poll(self) -> bool:
+        """Without blocking: whether the operation has finished. A subclass over a library
+        request checks it here and completes the Work when it has finished."""
+        return self._done
+
+    def _block(self, timeout: Optional[float]) -> bool:
+        """Block until the operation has finished or ``timeout`` seconds (None: no limit)
+        pass; return whether it finished. The default waits for ``set_result`` /
+        ``set_exception``."""
+        with _STATE_LOCK:
             if self._done:
                 return True
             if self._event is None:
@@ -103,18 +140,25 @@ class Work:
             event = self._event
         return event.wait(timeout)
 
+    def _watch(self) -> None:
+        """A done-callback now waits on this pending Work. A subclass that notices completion
+        only when polled starts a poller here; the default does nothing (``set_result``
+        runs the callbacks)."""
+
+    # ----------------------------------------------------------------- consumers
     def wait(self, timeout: Timeout = None) -> bool:
         """Block until the operation completes; re-raise its error. Returns True."""
-        limit = seconds(timeout, self.default_timeout)
-        if not self._wait_impl(limit):
-            raise DistBackendTimeoutError(f"{self.op}: did not complete within {limit:g} s (Work.wait timeout)")
+        if not self._done:
+            limit = seconds(timeout, self.default_timeout)
+            if not self._block(limit):
+                raise DistBackendTimeoutError(f"{self.op}: did not complete within {limit:g} s (Work.wait timeout)")
         if self._exc is not None:
             raise self._exc
         return True
 
     def is_completed(self) -> bool:
         """True once the operation has finished, successfully or not."""
-        return self._done
+        return self._done or self._poll()
 
     def is_success(self) -> bool:
         """True if the operation finished without error."""
@@ -134,8 +178,8 @@ class Work:
         self.wait()
         if self._source_rank < 0:
             raise DistBackendError(
-                f"{self.op}: this Work completed without a source rank. Only receives have one, and a "
-                "backend must complete a receive with set_result(outputs, source_rank=<sender's group rank>)"
+                f"{self.op}: source_rank() is only defined for receives: this Work completed without a source "
+                "rank (a backend completes a receive with set_result(outputs, source_rank=<sender's group rank>))"
             )
         return self._source_rank
 

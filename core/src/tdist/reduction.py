@@ -29,7 +29,7 @@ from ._reduce_op import ReduceOp, Reduction
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_reduction", "combine_", "prescale_", "prescaled", "finalize_"]
+__all__ = ["check_reduction", "combine_", "prescale_", "prescaled", "finalize_", "premul_factor"]
 
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
@@ -170,17 +170,19 @@ def combine_(acc: "torch.Tensor", other: "torch.Tensor", op: Reduction) -> "torc
 
 
 # ---------------------------------------------------------- scaling, finishing
-def _factor_for(tensor: "torch.Tensor", factor: Any) -> Any:
+def premul_factor(factor: Any, like: "torch.Tensor") -> Any:
+    """PREMUL_SUM's factor, ready to multiply ``like``: a Python number as is, a one-element
+    tensor as a 0-dim tensor on ``like``'s device (a 0-dim tensor never promotes ``like``'s
+    dtype; a shape-[1] one would)."""
     if hasattr(factor, "numel") and hasattr(factor, "reshape"):
-        # a 0-dim tensor never promotes ``tensor``'s dtype (a shape-[1] one would)
-        return factor.reshape(()).to(device=tensor.device)
+        return factor.reshape(()).to(device=like.device)
     return factor
 
 
 def prescale_(tensor: "torch.Tensor", op: Reduction) -> "torch.Tensor":
     """Multiply ``tensor`` in place by the PREMUL_SUM factor (no-op for other operators)."""
     if op.op is ReduceOp.PREMUL_SUM:
-        tensor.mul_(_factor_for(tensor, op.factor))
+        tensor.mul_(premul_factor(op.factor, tensor))
     return tensor
 
 
@@ -188,7 +190,7 @@ def prescaled(tensor: "torch.Tensor", op: Reduction) -> "torch.Tensor":
     """``tensor`` times the PREMUL_SUM factor as a new tensor; for every other operator
     ``tensor`` itself (not a copy): copy it yourself before modifying it."""
     if op.op is ReduceOp.PREMUL_SUM:
-        return tensor.mul(_factor_for(tensor, op.factor)).to(tensor.dtype)
+        return tensor.mul(premul_factor(op.factor, tensor)).to(tensor.dtype)
     return tensor
 
 

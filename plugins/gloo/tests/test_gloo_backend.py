@@ -140,11 +140,13 @@ def test_local_address_for_stores(tmp_path):
 
 
 def test_route_to():
-    assert gb._route_to("localhost") in ("127.0.0.1", "::1")
-    assert gb._route_to("127.0.0.5") == "127.0.0.1"
-    assert gb._route_to("no-such-host.invalid") is None
+    from tdist.plugin import route_address
+
+    assert route_address("localhost") in ("127.0.0.1", "::1")
+    assert route_address("127.0.0.5") == "127.0.0.1"
+    assert route_address("no-such-host.invalid") is None
     try:
-        outward = gb._route_to("192.0.2.55")  # TEST-NET-1: only routing is consulted, nothing is sent
+        outward = route_address("192.0.2.55")  # TEST-NET-1: only routing is consulted, nothing is sent
     except Exception:  # pragma: no cover - no route at all on this machine
         outward = None
     if outward is not None:

@@ -39,7 +39,7 @@ def _devices(pg: ProcessGroup) -> dict[str, str]:
 
 def mirror_world(world: ProcessGroup) -> None:
     """Make torch.distributed's default group ``world``'s mirror."""
-    register_torch_backends()
+    register_torch_backends(set(_devices(world).values()))
     why = unbridgeable(_devices(world))
     if why is not None:
         warnings.warn(f"tdist: torch.distributed is left uninitialized: {why}", stacklevel=3)

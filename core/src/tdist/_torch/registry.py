@@ -16,7 +16,7 @@ returns a :class:`TorchProcessGroup` over a tdist group:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch.distributed as torch_dist
 
@@ -35,10 +35,12 @@ __all__ = ["register_torch_backends", "create_torch_group", "adopting", "torch_b
 _adopting: Optional[ProcessGroup] = None
 
 
-def register_torch_backends() -> None:
-    """Register ``tdist-<name>`` with torch.distributed for every installed tdist backend
-    (with the devices its spec declares)."""
-    for spec in plugins().backends.specs():
+def register_torch_backends(names: Optional[Iterable[str]] = None) -> None:
+    """Register ``tdist-<name>`` with torch.distributed, with the devices its spec declares,
+    for the backends ``names`` (default: every installed one; naming them probes no other)."""
+    registry = plugins().backends
+    specs = registry.specs() if names is None else [s for s in map(registry.get, names) if s is not None]
+    for spec in specs:
         torch_dist.Backend.register_backend(
             torch_backend_name(spec.name), TdistCreator(spec.name), extended_api=True, devices=list(spec.devices)
         )
@@ -110,7 +112,7 @@ def create_torch_group(name: str, opts: Any, pg_options: Any) -> TorchProcessGro
     pending = _adopting
     if pending is not None:
         return mirror(pending)
-    register_torch_backends()
+    register_torch_backends([name])
     _check_bridgeable(name)
     store = from_torch_store(opts.store)
     rank, size, timeout = int(opts.group_rank), int(opts.group_size), opts.timeout

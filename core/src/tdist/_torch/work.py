@@ -7,6 +7,7 @@ trampoline. Errors are tdist's (every one a ``RuntimeError``, as torch's are).
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
@@ -84,10 +85,11 @@ def all_of(works: Sequence[Work], op: str) -> Work:
         return combined
     remaining = [len(works)]
     errors: list[BaseException] = []
+    lock = threading.Lock()
 
     def _one_done(done: Work) -> None:
         error = done.exception()
-        with combined._lock:
+        with lock:
             if error is not None:
                 errors.append(error)
             remaining[0] -= 1

@@ -4,7 +4,7 @@ Options::
 
     --tdist-backend NAME        backend to test; repeatable (default: every installed, available one)
     --tdist-world-sizes 1,2,4   world sizes (default 1,2,4)
-    --tdist-launcher auto|env|mpi   how worlds start (auto: mpirun for "mpi", else one process per rank)
+    --tdist-launcher auto|env|mpi   how worlds start (auto: as the spec's launcher says)
     --tdist-dist-module NAME    module under test (default: $TDIST_TESTING_DIST_MODULE or tdist);
                                 torch.distributed validates the kit itself
     --tdist-init-method URL     init_method of pooled worlds (default env://)
@@ -55,7 +55,7 @@ def pytest_addoption(parser: Any) -> None:
     group.addoption("--tdist-world-sizes", dest="tdist_world_sizes", default=None, metavar="N,N,...",
                     help="comma-separated world sizes (default: 1,2,4)")
     group.addoption("--tdist-launcher", dest="tdist_launcher", default="auto", choices=("auto", "env", "mpi"),
-                    help="how worlds start: one process per rank (env) or one mpirun (mpi); auto = mpi for 'mpi'")
+                    help="how worlds start: one process per rank (env) or one mpirun (mpi); auto: as the backend's BackendSpec.launcher says")
     group.addoption("--tdist-dist-module", dest="tdist_dist_module", default=None, metavar="MODULE",
                     help="module under test (default $TDIST_TESTING_DIST_MODULE or tdist; torch.distributed "
                          "validates the kit)")
@@ -100,6 +100,19 @@ def default_backends() -> list[str]:
     return names or ["tcp"]
 
 
+def spec_launcher(backend: str) -> Optional[str]:
+    """How ``backend``'s worlds start: its :attr:`tdist.BackendSpec.launcher` (``"mpirun"`` or None);
+    for torch.distributed's own backends, ``"mpirun"`` for ``mpi``."""
+    if dist_module_name().split(".")[0] != "tdist":
+        return "mpirun" if backend.lower() == "mpi" else None
+    import tdist
+
+    try:
+        return tdist.get_backend_spec(backend).launcher
+    except tdist.DistError:  # not installed: the world reports that when it starts
+        return None
+
+
 class WorldPool:
     """The session's worlds, one per (backend, world size), started on first use."""
 
@@ -131,7 +144,7 @@ class WorldPool:
     def launcher(self, backend: str) -> str:
         choice = self.config.getoption("tdist_launcher", "auto") or "auto"
         if choice == "auto":
-            return "mpi" if backend.lower() == "mpi" else "env"
+            return "mpi" if spec_launcher(backend) == "mpirun" else "env"
         return choice
 
     def world_kwargs(self, backend: str) -> dict:

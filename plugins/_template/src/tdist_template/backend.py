@@ -47,7 +47,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from tdist import Backend, DistBackendError, DistBackendTimeoutError, DistError, Reduction, Store, Work
-from tdist.reduction import combine_, finalize_, prescaled
+from tdist.plugin import combine_, finalize_, prescaled
 
 from . import BACKEND_NAME
 

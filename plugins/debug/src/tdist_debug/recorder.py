@@ -270,12 +270,11 @@ def _install(signum: signal.Signals, action: Any, then_default: bool, over_ignor
 def enable(capacity: int = 2000, dump_dir: str = "tdist-debug", at_exit: bool = False, trace: bool = False) -> Recorder:
     """Turn the recorder on in this process (as ``TDIST_DEBUG_RECORDER`` does when the
     plugins load); the running recorder if it is on already."""
-    from tdist._plugins import plugins
+    from tdist.plugin import register_plugin, registered_plugins
 
     from .hooks import recorder_plugin
 
     recorder = start(Settings(capacity, dump_dir, at_exit, trace))
-    loaded = plugins()
-    if not enabled_by_env() and not any(r.name == "tdist-debug-recorder" for r in loaded.records):
-        loaded.register(recorder_plugin(recorder), "tdist-debug-recorder")  # else its hooks are in already
+    if not enabled_by_env() and "tdist-debug-recorder" not in registered_plugins():
+        register_plugin(recorder_plugin(recorder), "tdist-debug-recorder")  # else its hooks are in already
     return recorder

@@ -25,9 +25,7 @@ does) naming the operation and the backend before anything is communicated.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import socket
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -35,8 +33,17 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as _td
 
-import tdist
-from tdist import Backend, DistBackendError, DistBackendTimeoutError, DistError, ReduceOp, Work
+from tdist.plugin import (
+    Backend,
+    DistBackendError,
+    DistBackendTimeoutError,
+    DistError,
+    ReduceOp,
+    Work,
+    flag,
+    local_address_for,
+    premul_factor,
+)
 
 from . import BACKEND_NAME
 from .store_bridge import StoreBridge
@@ -74,7 +81,7 @@ def map_error(exc: BaseException, operation: str) -> BaseException:
 
 
 # --------------------------------------------------------------------- work
-_STATE_LOCK = threading.Lock()  # guards the short registration/publication steps of every GlooWork
+_WATCH_LOCK = threading.Lock()  # guards starting the helper thread of a GlooWork
 
 
 class GlooWork(Work):
@@ -88,11 +95,7 @@ class GlooWork(Work):
     and the operation goes on after a timed-out wait.
     """
 
-    # Work.__init__ is deliberately not called: it allocates an Event, a Lock and a
-    # list per operation, which the common path (issue, then wait) does not need.
-    __slots__ = (
-        "_work", "_post", "_done", "_anysource", "_pollable", "_wait_lock", "_watcher", "_own_callbacks", "_owner"
-    )
+    __slots__ = ("_work", "_post", "_anysource", "_pollable", "_wait_lock", "_watcher", "_owner")
 
     def __init__(
         self,
@@ -105,39 +108,35 @@ class GlooWork(Work):
         pollable: bool = True,
         owner: Any = None,
     ) -> None:
-        self.op = op
+        super().__init__(op)
         self._owner = owner
-        self.default_timeout = None
         self._work = work
         self._result = result
         self._post = post
-        self._exc: Optional[BaseException] = None
         self._source_rank = source
         self._anysource = anysource
         self._pollable = pollable
-        self._done = False
         self._wait_lock = threading.Lock()
-        self._event: Optional[threading.Event] = None
         self._watcher: Optional[threading.Thread] = None
-        self._own_callbacks: Optional[list] = None
 
     @classmethod
     def done(cls, op: str, result: Sequence[Any] = ()) -> "GlooWork":
         """A work that completed without communicating (e.g. nothing to send)."""
-        work = cls(None, op, result)
-        work._done = True
+        work = cls(None, op)
+        work.set_result(result)
         return work
 
     # ------------------------------------------------------------ completion
     def _complete(self) -> None:
-        """Block until gloo finished; post-process once; publish; run callbacks."""
+        """Block until gloo finished; post-process once; complete the Work."""
         with self._wait_lock:
             if self._done:
                 return
+            error: Optional[BaseException] = None
             try:
                 self._work.wait()
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
-                self._exc = map_error(exc, self.op)
+                error = map_error(exc, self.op)
                 self._work = None  # it holds the group's connections open
                 if self._owner is not None:
                     self._owner._broken(exc)
@@ -148,161 +147,39 @@ class GlooWork(Work):
                     if self._post is not None:
                         self._post()
                 except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
-                    self._exc = map_error(exc, self.op)
-            with _STATE_LOCK:
-                self._done = True
-                callbacks, self._own_callbacks = self._own_callbacks, None
-                event = self._event
-        if event is not None:
-            event.set()
-        if callbacks:
-            for callback in callbacks:
-                callback(self)
+                    error = map_error(exc, self.op)
+            if error is None:
+                self.set_result(self._result, self._source_rank)
+            else:
+                self.set_exception(error)
 
-    def _watch(self) -> None:
-        """Make sure a helper thread is waiting for completion (call with _STATE_LOCK held)."""
-        if self._watcher is None:
-            self._watcher = threading.Thread(target=self._complete, name=f"tdist-gloo-{self.op}", daemon=True)
-            self._watcher.start()
-
-    def _wait_impl(self, timeout: Optional[float]) -> bool:
-        if self._done:
-            return True
-        if timeout is None:
-            self._complete()
-            return True
-        with _STATE_LOCK:
-            if self._done:
-                return True
-            if self._event is None:
-                self._event = threading.Event()
-            event = self._event
-            self._watch()
-        return event.wait(max(float(timeout), 0.0))
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Block until the operation completes; re-raise its error. Returns True.
-
-        With ``timeout`` (seconds or timedelta) raise :class:`DistBackendTimeoutError`
-        if it has not completed by then (the operation itself goes on).
-        """
-        if timeout is None:
-            if not self._done:
-                self._complete()
-        else:
-            limit = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-            if not self._wait_impl(limit):
-                raise DistBackendTimeoutError(
-                    f"{self.op}: did not complete within {limit:g} s (Work.wait timeout, backend 'gloo')"
-                )
-        if self._exc is not None:
-            raise self._exc
-        return True
-
-    def is_completed(self) -> bool:
-        """True once the operation has finished (its outputs are then final)."""
-        if self._done:
-            return True
+    # ------------------------------------------------------- the Work template
+    def _poll(self) -> bool:
         work = self._work  # None once a failure released it (then _done follows at once)
         if self._pollable and work is not None and work.is_completed():
             self._complete()
             return True
         # Some gloo works (send/recv, reduce_scatter) only learn of completion inside wait(),
         # and any work may need post-processing: a helper thread waits (started once).
-        with _STATE_LOCK:
-            if not self._done:
-                self._watch()
+        self._watch()
         return self._done
 
-    def is_success(self) -> bool:
-        return self.is_completed() and self._exc is None
+    def _block(self, timeout: Optional[float]) -> bool:
+        if timeout is None:
+            self._complete()
+            return True
+        self._watch()
+        return Work._block(self, max(float(timeout), 0.0))
 
-    def exception(self) -> Optional[BaseException]:
-        return self._exc if self.is_completed() else None
-
-    def result(self) -> list:
-        self.wait()
-        return list(self._result)
-
-    def source_rank(self) -> int:
-        self.wait()
-        if self._source_rank < 0:
-            raise DistBackendError(f"{self.op}: source_rank() is only defined for receives")
-        return self._source_rank
-
-    def synchronize(self) -> None:
-        self.wait()
-
-    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
-        with _STATE_LOCK:
-            if not self._done:
-                if self._own_callbacks is None:
-                    self._own_callbacks = []
-                self._own_callbacks.append(callback)
-                self._watch()
-                return
-        callback(self)
-
-    def get_future(self) -> Any:
-        """A ``torch.futures.Future`` completed with :meth:`result` (or the mapped error)
-        once the operation, including any post-processing, is done."""
-        future: Any = torch.futures.Future()
-
-        def _resolve(work: Work) -> None:
-            if work._exc is not None:
-                future.set_exception(work._exc)
-            else:
-                future.set_result(list(work._result))
-
-        self.add_done_callback(_resolve)
-        return future
-
-    def __repr__(self) -> str:
-        state = "pending" if not self._done else ("failed" if self._exc else "done")
-        return f"<GlooWork {self.op} {state}>"
+    def _watch(self) -> None:
+        """Make sure a helper thread is waiting for completion."""
+        with _WATCH_LOCK:
+            if self._watcher is None and not self._done:
+                self._watcher = threading.Thread(target=self._complete, name=f"tdist-gloo-{self.op}", daemon=True)
+                self._watcher.start()
 
 
 # ------------------------------------------------------------ network device
-def _route_to(host: str) -> Optional[str]:
-    """The local address this machine uses to reach ``host`` (127.0.0.1 for loopback)."""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
-    except OSError:
-        return None
-    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first
-    for family, _, _, _, sockaddr in infos:
-        try:
-            ip = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
-        except ValueError:
-            continue
-        if ip.is_loopback or ip.is_unspecified:
-            return "127.0.0.1" if family == socket.AF_INET else "::1"
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as probe:
-                probe.connect((sockaddr[0], 9, *sockaddr[2:]))  # UDP connect sends nothing
-                return str(probe.getsockname()[0])
-        except OSError:
-            continue
-    return None
-
-
-def local_address_for(store: Any) -> Optional[str]:
-    """The address gloo should listen on for a job rendezvousing through ``store``.
-
-    127.0.0.1 for an in-process store or a TCP store on loopback; the address of the
-    interface that routes to the TCP store's host otherwise; None when unknown
-    (a file store: gloo's default device, the host name's address, is used).
-    """
-    while isinstance(store, tdist.PrefixStore):
-        store = store.underlying_store
-    if isinstance(store, tdist.HashStore):
-        return "127.0.0.1"
-    host = getattr(store, "host", None) if isinstance(store, tdist.TCPStore) else None
-    if not host:
-        return None
-    return _route_to(str(host))
-
-
 def make_devices(store: Any, options: Mapping[str, Any]) -> list:
     """gloo devices: ``options["gloo_interface"]`` or ``$GLOO_SOCKET_IFNAME`` (comma-separated
     interface names, one device each), else ``options["gloo_hostname"]`` or
@@ -414,32 +291,23 @@ def _is_float_factor(factor: Any) -> bool:
     return isinstance(factor, (float, complex))
 
 
-def _factor_for(factor: Any, tensor: Any) -> Any:
-    """PREMUL_SUM's factor as something ``tensor.mul_`` accepts (0-dim, same device)."""
-    if isinstance(factor, torch.Tensor):
-        factor = factor.reshape(())
-        if factor.device != tensor.device:
-            factor = factor.to(tensor.device)
-    return factor
-
-
 def _io_buffer(plan: _Plan, tensor: Any, factor: Any) -> tuple:
     """(buffer gloo reduces in place, finish step or None) for a tensor that is both
     this rank's contribution and the place of the result (all_reduce, reduce)."""
     kind = plan.kind
     if kind == _NATIVE or kind == _REAL:
         if plan.prescale:
-            tensor.mul_(_factor_for(factor, tensor))
+            tensor.mul_(premul_factor(factor, tensor))
         return (torch.view_as_real(tensor) if kind == _REAL else tensor), None
     if kind == _WIDEN:
         buffer = tensor.to(plan.compute)
         if plan.prescale:
-            buffer.mul_(_factor_for(factor, buffer))
+            buffer.mul_(premul_factor(factor, buffer))
         return buffer, lambda: tensor.copy_(buffer)
     # _U64: the int64 view of the same bits
     buffer = tensor.view(torch.int64)
     if plan.prescale:
-        buffer.mul_(_factor_for(factor, buffer))
+        buffer.mul_(premul_factor(factor, buffer))
     if plan.flip:
         buffer.bitwise_xor_(_SIGN_BIT)
         return buffer, lambda: buffer.bitwise_xor_(_SIGN_BIT)
@@ -451,16 +319,16 @@ def _in_buffer(plan: _Plan, tensor: Any, factor: Any) -> Any:
     kind = plan.kind
     if kind == _NATIVE or kind == _REAL:
         if plan.prescale:
-            tensor = tensor * _factor_for(factor, tensor)
+            tensor = tensor * premul_factor(factor, tensor)
         return torch.view_as_real(tensor) if kind == _REAL else tensor
     if kind == _WIDEN:
         buffer = tensor.to(plan.compute)
         if plan.prescale:
-            buffer.mul_(_factor_for(factor, buffer))
+            buffer.mul_(premul_factor(factor, buffer))
         return buffer
     buffer = tensor.view(torch.int64)
     if plan.prescale:
-        buffer = buffer * _factor_for(factor, buffer)
+        buffer = buffer * premul_factor(factor, buffer)
     if plan.flip:
         buffer = buffer ^ _SIGN_BIT
     return buffer
@@ -552,10 +420,6 @@ def _describe(row: list) -> str:
     return ", ".join(parts)
 
 
-def _truthy(value: Any) -> bool:
-    return str(value).strip().lower() not in ("", "0", "false", "no", "off")
-
-
 # ------------------------------------------------------------------ backend
 class GlooBackend(Backend):
     """tdist's ``gloo`` backend: a ``ProcessGroupGloo`` for one tdist process group."""
@@ -612,7 +476,7 @@ class GlooBackend(Backend):
         self._closed = False
         self._aborted = False
         check = options.get("gloo_check_collectives")
-        self._check = _truthy(os.environ.get(_CHECK_ENV, "")) if check is None else bool(check)
+        self._check = flag(_CHECK_ENV, value=check)
 
     @property
     def process_group(self) -> Any:

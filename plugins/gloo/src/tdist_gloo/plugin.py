@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from tdist import BackendSpec, hookimpl
+from tdist.plugin import BackendSpec, flag, hookimpl
 
 from . import BACKEND_NAME, OPERATIONS, unavailable_reason
 
@@ -23,7 +22,7 @@ _CHECK_ENV = "TDIST_GLOO_CHECK_COLLECTIVES"
 
 def _unsupported_features() -> dict[str, str]:
     """Features the conformance kit checks that gloo lacks unless asked for."""
-    if os.environ.get(_CHECK_ENV, "").lower() in ("1", "true", "yes", "on"):
+    if flag(_CHECK_ENV):
         return {}
     return {
         "collective_mismatch": (
@@ -36,7 +35,12 @@ def _unsupported_features() -> dict[str, str]:
 
 @hookimpl
 def tdist_register_backends(registry: Any) -> None:
-    registry.add(
+    """Register ``gloo``; torch is asked whether it has gloo when the backend is first asked about."""
+    registry.add_deferred(BACKEND_NAME, _spec)
+
+
+def _spec() -> BackendSpec:
+    return (
         BackendSpec(
             name=BACKEND_NAME,
             factory=_factory,

@@ -17,7 +17,7 @@ from tdist import DistBackendError, ReduceOp
 
 from . import _runtime
 
-__all__ = ["Plan", "Tables", "buffer", "reduction_plan", "premul_factor"]
+__all__ = ["Plan", "Tables", "buffer", "reduction_plan"]
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _STAGED = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64}
@@ -163,12 +163,3 @@ def reduction_plan(tables: Tables, dtype: torch.dtype, op: ReduceOp, operation: 
     if mpi_op is None:
         raise refuse("unknown operator")
     return Plan(dt, mpi_op, stage, op is ReduceOp.AVG, op is ReduceOp.PREMUL_SUM)
-
-
-def premul_factor(factor: Any, like: torch.Tensor) -> Any:
-    """PREMUL_SUM's factor, ready to multiply ``like`` in place: a Python number, or a
-    one-element tensor as a 0-dim tensor on ``like``'s device (it never promotes)."""
-    if isinstance(factor, torch.Tensor):
-        return factor.reshape(()).to(device=like.device)
-    return factor
-

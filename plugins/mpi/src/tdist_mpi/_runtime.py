@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any, Optional
 
-from tdist import DistBackendError
+from tdist.plugin import DistBackendError, flag
 
 __all__ = [
     "Runtime", "runtime", "availability", "cuda_aware", "mpi_error", "check_collectives_default",
@@ -62,7 +62,7 @@ def availability() -> Optional[str]:
 
 def check_collectives_default() -> bool:
     """Whether ``$TDIST_MPI_CHECK_COLLECTIVES`` turns the collective check on."""
-    return os.environ.get(CHECK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return flag(CHECK_ENV)
 
 
 def mpi_error(operation: str, exc: BaseException) -> DistBackendError:
@@ -264,9 +264,8 @@ def cuda_aware() -> bool:
 
 
 def _detect_cuda_aware() -> bool:
-    forced = os.environ.get(CUDA_ENV, "").strip().lower()
-    if forced:
-        return forced in ("1", "true", "yes", "on")
+    if os.environ.get(CUDA_ENV, "").strip():
+        return flag(CUDA_ENV)
     if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")):
         return False
     ompi_info = os.path.join(os.path.dirname(sys.executable), "ompi_info")

@@ -19,9 +19,9 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from tdist import DistBackendTimeoutError, Work
+from tdist import Work
 
-from ._runtime import mpi_error
+from ._runtime import mpi_error, runtime
 
 __all__ = ["MPIWork", "SPIN_S", "YIELD_S", "NAP_S"]
 
@@ -33,9 +33,6 @@ _monotonic = time.monotonic
 _sleep = time.sleep
 _Lock = threading.Lock
 
-# Set by the backend once MPI is loaded (this module must not import mpi4py itself).
-MPIException: Any = None
-
 _PENDING, _DONE, _OTHER = 0, 1, 2
 _SPIN_TRIES = 64  # Test() calls per lock hold and clock check while spinning
 
@@ -44,7 +41,7 @@ class MPIWork(Work):
     """One MPI request; ``finalize`` (copy staged results out, divide for AVG) runs once,
     in the thread that sees the request complete, before the work is marked done."""
 
-    __slots__ = ("_req", "_status", "_finalize", "_outputs", "_keep", "_mpilock")
+    __slots__ = ("_req", "_status", "_finalize", "_outputs", "_keep", "_mpilock", "_test_lock")
 
     def __init__(
         self,
@@ -58,6 +55,7 @@ class MPIWork(Work):
         mpilock: Any = None,
     ) -> None:
         Work.__init__(self, op, timeout)
+        self._test_lock = _Lock()
         self._req = req
         self._status = status
         self._finalize = finalize
@@ -74,7 +72,7 @@ class MPIWork(Work):
         the transfer on by a step, so the cost of an iteration bounds the bandwidth."""
         if self._done:
             return _DONE
-        with self._lock:  # one thread tests a request at a time; released before finishing
+        with self._test_lock:  # one thread tests a request at a time; released before finishing
             req = self._req
             if req is None:
                 return _OTHER
@@ -102,7 +100,7 @@ class MPIWork(Work):
                             break
                     else:
                         return _PENDING
-            except MPIException as exc:
+            except runtime().MPI.Exception as exc:  # evaluated only when Test() raised (MPI is loaded)
                 self._req = None
                 error: Optional[BaseException] = mpi_error(self.op, exc)
             else:
@@ -125,7 +123,11 @@ class MPIWork(Work):
         status = self._status
         self.set_result(self._outputs, status.Get_source() if status is not None else -1)
 
-    def _wait_impl(self, timeout: Optional[float]) -> bool:
+    # ------------------------------------------------------- the Work template
+    def _poll(self) -> bool:
+        return self._test() == _DONE
+
+    def _block(self, timeout: Optional[float]) -> bool:
         if self._done:
             return True
         test = self._test
@@ -136,7 +138,7 @@ class MPIWork(Work):
         deadline = None if timeout is None else start + timeout
         while True:
             if state == _OTHER:
-                return Work._wait_impl(self, None if deadline is None else max(0.0, deadline - _monotonic()))
+                return Work._block(self, None if deadline is None else max(0.0, deadline - _monotonic()))
             now = _monotonic()
             if deadline is not None and now >= deadline:
                 return False
@@ -152,26 +154,8 @@ class MPIWork(Work):
             if state == _DONE:
                 return True
 
-    def wait(self, timeout: Any = None) -> bool:
-        """As :meth:`tdist.Work.wait` (``timeout``: seconds or timedelta; None: the group's)."""
-        if not self._done:
-            if timeout is None:
-                limit = self.default_timeout
-            else:
-                limit = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
-            if not self._wait_impl(limit):
-                raise DistBackendTimeoutError(f"{self.op}: did not complete within {limit:g} s (Work.wait timeout)")
-        if self._exc is not None:
-            raise self._exc
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done or self._test() == _DONE
-
-    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
-        Work.add_done_callback(self, callback)
-        if not self._done:
-            _progress.watch(self)
+    def _watch(self) -> None:
+        _progress.watch(self)
 
 
 class _Progress:

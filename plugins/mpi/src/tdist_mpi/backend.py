@@ -17,10 +17,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from tdist import Backend, DistBackendError, Reduction, Work
+from tdist.plugin import Backend, DistBackendError, Reduction, Work, premul_factor
 
-from . import _work
-from ._dtypes import Plan, Tables, buffer, premul_factor
+from ._dtypes import Plan, Tables, buffer
 from ._runtime import CHECK_ENV, Runtime, check_collectives_default, mpi_error, runtime
 from ._work import MPIWork
 
@@ -39,7 +38,6 @@ def _bind(rt: Runtime) -> Tables:
     global MPIException, _tables
     if _tables is None:
         MPIException = rt.MPI.Exception
-        _work.MPIException = rt.MPI.Exception
         _tables = Tables(rt.MPI)
     return _tables
 

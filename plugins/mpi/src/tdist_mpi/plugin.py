@@ -30,6 +30,11 @@ def _mpi_rendezvous(url: Any, **kwargs: Any) -> Any:
 
 @hookimpl
 def tdist_register_backends(registry: Any) -> None:
+    """Register ``mpi``; the MPI library is probed (dlopen) when the backend is first asked about."""
+    registry.add_deferred("mpi", _spec)
+
+
+def _spec() -> BackendSpec:
     from ._runtime import CHECK_ENV, availability, check_collectives_default, cuda_aware
 
     reason = availability()
@@ -42,7 +47,7 @@ def tdist_register_backends(registry: Any) -> None:
             "MPI does not detect ranks issuing different collectives (op, dtype, root); "
             f"set {CHECK_ENV}=1 to check every collective first"
         )
-    registry.add(
+    return (
         BackendSpec(
             name="mpi",
             factory=_factory,
@@ -50,6 +55,7 @@ def tdist_register_backends(registry: Any) -> None:
             description="MPI through mpi4py (nonblocking MPI calls, zero-copy buffers); launch with mpirun",
             available=reason,
             default_init_method="mpi://",
+            launcher="mpirun",
             extra={"unsupported": unsupported},
         )
     )

@@ -32,7 +32,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from tdist import Backend, DistBackendError, DistError, Reduction, Work
-from tdist.reduction import prescale_, prescaled
+from tdist.plugin import prescale_, prescaled
 
 from . import BACKEND_NAME
 from .buffers import Staging, nbytes, ptr, readable

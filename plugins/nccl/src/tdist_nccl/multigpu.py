@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from tdist import Reduction
-from tdist.reduction import prescale_
+from tdist.plugin import prescale_
 
 from .buffers import Staging, nbytes, ptr, readable
 from .comm import new_clique, share_unique_id

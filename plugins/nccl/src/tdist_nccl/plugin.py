@@ -27,8 +27,13 @@ def create_nccl_backend(**kwargs: Any) -> Any:
 
 @hookimpl
 def tdist_register_backends(registry: Any) -> None:
-    """Register the ``nccl`` backend (unavailable, with the reason, without CuPy or a GPU)."""
-    registry.add(
+    """Register the ``nccl`` backend (unavailable, with the reason, without CuPy or a GPU);
+    CuPy and the GPU are probed when the backend is first asked about."""
+    registry.add_deferred(BACKEND_NAME, _spec)
+
+
+def _spec() -> BackendSpec:
+    return (
         BackendSpec(
             name=BACKEND_NAME,
             factory=create_nccl_backend,

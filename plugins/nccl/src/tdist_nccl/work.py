@@ -20,8 +20,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from tdist import DistBackendError, DistBackendTimeoutError, Work
-from tdist._work import Timeout, seconds
+from tdist.plugin import DistBackendError, Work
 
 from .cuda import CudaEvent
 
@@ -29,6 +28,7 @@ __all__ = ["NcclWork"]
 
 _POLL_MIN = 1e-4
 _POLL_MAX = 1e-2
+_WATCH_LOCK = threading.Lock()  # guards starting the watcher thread of a NcclWork
 
 
 class NcclWork(Work):
@@ -91,11 +91,9 @@ class NcclWork(Work):
         if self._exc is not None:
             raise self._exc
 
-    # ------------------------------------------------------------------ consumers
-    def is_completed(self) -> bool:
+    # ------------------------------------------------------- the Work template
+    def _poll(self) -> bool:
         """True once the GPU has finished (or the operation failed); never blocks."""
-        if self._done:
-            return True
         try:
             self._issue()
         except BaseException as exc:
@@ -105,13 +103,14 @@ class NcclWork(Work):
             self._mark_done()
         return self._done
 
-    def wait(self, timeout: Timeout = None) -> bool:
-        """Order the current stream(s) after the operation; with ``timeout``, block the host
-        until it is done or raise DistBackendTimeoutError. Re-raises an issue error."""
+    def _block(self, timeout: Optional[float]) -> bool:
+        """Without ``timeout``: order the current stream(s) after the operation (host-blocking
+        for ``barrier``) and return; with one, block the host until the GPU has finished.
+        Raises an issue error."""
         self._issue()
-        self._raise_if_failed()
-        limit = seconds(timeout, self.default_timeout)
-        if limit is None:
+        if self._exc is not None:
+            return True
+        if timeout is None:
             if self._blocking:
                 self.synchronize()
                 return True
@@ -120,19 +119,26 @@ class NcclWork(Work):
             if self._gpu_done():
                 self._mark_done()
             return True
-        deadline = time.monotonic() + limit
+        deadline = time.monotonic() + timeout
         pause = _POLL_MIN
         while not self._gpu_done():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise DistBackendTimeoutError(
-                    f"nccl {self.op}: not finished on the GPU within {limit:g} s (Work.wait timeout)"
-                )
+                return False
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, _POLL_MAX)
         self._mark_done()
         return True
 
+    def _watch(self) -> None:
+        """A done-callback waits: a daemon thread waits for the events (started once)."""
+        with _WATCH_LOCK:
+            if self._done or self._watcher is not None:
+                return
+            self._watcher = threading.Thread(target=self._wait_for_events, name=f"tdist-nccl-{self.op}", daemon=True)
+        self._watcher.start()
+
+    # ------------------------------------------------------------------ consumers
     def synchronize(self) -> None:
         """Block the host until the GPU has finished the operation."""
         self._issue()
@@ -141,16 +147,7 @@ class NcclWork(Work):
             event.synchronize()
         self._mark_done()
 
-    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
-        """Call ``callback(work)`` when the GPU has finished (from a watcher thread)."""
-        super().add_done_callback(callback)
-        with self._lock:
-            if self._done or self._watcher is not None:
-                return
-            self._watcher = threading.Thread(target=self._watch, name=f"tdist-nccl-{self.op}", daemon=True)
-        self._watcher.start()
-
-    def _watch(self) -> None:
+    def _wait_for_events(self) -> None:
         self._issued.wait()
         if self._done:
             return

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from tdist.reduction import combine_
+from tdist.plugin import combine_
 
 from .transport import FrameTimeout, PostedRecv, Transport
 from .wire import COLL, OP_ACK, PART_FOLD, PART_UNFOLD, byte_view, pack_header
 
 if TYPE_CHECKING:
     import torch
-    from tdist._reduce_op import Reduction
+    from tdist.plugin import Reduction
 
 __all__ = [
     "Coll", "Scratch", "segments", "all_reduce_small", "all_reduce_ring", "ring", "broadcast_tree", "broadcast_chain",

@@ -32,11 +32,17 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-from tdist._backend import Backend
-from tdist._errors import DistBackendError, DistBackendTimeoutError
-from tdist._reduce_op import ReduceOp
-from tdist._work import Work, seconds
-from tdist.reduction import check_reduction, finalize_, prescale_
+from tdist.plugin import (
+    Backend,
+    DistBackendError,
+    DistBackendTimeoutError,
+    ReduceOp,
+    Work,
+    check_reduction,
+    finalize_,
+    prescale_,
+    seconds,
+)
 
 from . import algorithms as algo
 from .lanes import Lane, TcpWork
@@ -47,8 +53,7 @@ from .wire import OP_CODES, P2P, byte_view, dtype_code, pack_header, redop_code
 
 if TYPE_CHECKING:
     import torch
-    from tdist._reduce_op import Reduction
-    from tdist._store.base import Store
+    from tdist.plugin import Reduction, Store
 
 __all__ = ["TcpBackend", "create_backend", "DEFAULTS"]
 

@@ -16,8 +16,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional
 
-from tdist._errors import DistBackendError
-from tdist._work import Work
+from tdist.plugin import DistBackendError, Work
 
 __all__ = ["Lane", "Job", "TcpWork"]
 
@@ -78,11 +77,11 @@ class TcpWork(Work):
         except Exception:
             pass
 
-    def _wait_impl(self, timeout: Optional[float]) -> bool:
+    def _block(self, timeout: Optional[float]) -> bool:
         job = self._job
         if job is not None and not job.started and not self._done:
             self._lane.drive(job, timeout)  # type: ignore[union-attr]
-        if super()._wait_impl(timeout):
+        if super()._block(timeout):
             return True
         if self._on_timeout is not None and self._on_timeout(self):
             return True

@@ -22,7 +22,14 @@ import threading
 import time
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
-from tdist._errors import DistBackendTimeoutError, DistNetworkError, DistStoreTimeoutError
+from tdist.plugin import (
+    DistBackendTimeoutError,
+    DistNetworkError,
+    DistStoreTimeoutError,
+    flag,
+    route_address,
+    store_endpoint,
+)
 
 from .auth import ACCEPTED, HELLO, MAC_SIZE, REFUSED, group_key, mac, make_hello, parse_hello, token_mismatch_hint
 
@@ -44,28 +51,6 @@ HANDSHAKE_LIMIT = 10.0
 
 
 # ------------------------------------------------------------------ addresses
-def _store_endpoint(store: Any) -> tuple[Optional[str], Optional[int]]:
-    """The (host, port) of the store's server, looking through wrapping stores."""
-    seen: set[int] = set()
-    current = store
-    for _ in range(8):
-        if current is None or id(current) in seen:
-            break
-        seen.add(id(current))
-        host = getattr(current, "host", None)
-        if isinstance(host, str) and host:
-            port = getattr(current, "port", None)
-            return host, port if isinstance(port, int) else None
-        nxt = None
-        for attr in ("underlying_store", "_store"):  # PrefixStore and similar wrappers
-            candidate = getattr(current, attr, None)
-            if candidate is not None and hasattr(candidate, "get") and hasattr(candidate, "set"):
-                nxt = candidate
-                break
-        current = nxt
-    return None, None
-
-
 def _interface_address(ifname: str) -> str:
     import fcntl  # Linux / BSD only
 
@@ -75,14 +60,6 @@ def _interface_address(ifname: str) -> str:
         except OSError as exc:
             raise DistNetworkError(f"tcp backend: network interface {ifname!r} has no IPv4 address: {exc}") from None
     return socket.inet_ntoa(packed[20:24])
-
-
-def _route_address(host: str, port: Optional[int]) -> str:
-    """The local address this machine uses to reach ``host`` (no packet is sent)."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(host, port or 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(sockaddr)
-        return probe.getsockname()[0]
 
 
 def choose_host(store: Any, options: Mapping[str, Any]) -> str:
@@ -95,12 +72,10 @@ def choose_host(store: Any, options: Mapping[str, Any]) -> str:
     ifname = options.get("ifname") or os.environ.get(IFNAME_ENV)
     if ifname:
         return _interface_address(str(ifname))
-    store_host, store_port = _store_endpoint(store)
-    if store_host:
-        try:
-            return _route_address(store_host, store_port)
-        except OSError:
-            pass
+    store_host, _ = store_endpoint(store)
+    routed = route_address(store_host) if store_host else None
+    if routed:
+        return routed
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -518,8 +493,7 @@ def connect_mesh(store: Any, rank: int, size: int, timeout: float, options: Mapp
 def _unix_enabled(options: Mapping[str, Any]) -> bool:
     if not sys.platform.startswith("linux") or _AF_UNIX < 0:  # abstract socket names are Linux-only
         return False
-    flag = options.get("unix", os.environ.get(UNIX_ENV, "1"))
-    return str(flag).lower() not in ("0", "false", "no", "off", "")
+    return flag(UNIX_ENV, True, options.get("unix"))
 
 
 def _unix_listener(buffer_bytes: int, size: int) -> tuple[Optional[socket.socket], str]:

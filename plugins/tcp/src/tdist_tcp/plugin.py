@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tdist._backend import ANY_SOURCE_OP, OPERATIONS, BackendSpec
-from tdist.hookspecs import hookimpl
+from tdist.plugin import ANY_SOURCE_OP, OPERATIONS, BackendSpec, hookimpl
 
 TDIST_HOOKSPEC_VERSION = "1.0"
 

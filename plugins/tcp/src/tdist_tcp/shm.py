@@ -62,15 +62,14 @@ import warnings
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import numpy as np
-from tdist._errors import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError
-from tdist._reduce_op import ReduceOp
+from tdist.plugin import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError, ReduceOp, flag
 
 from . import segment
 from .wire import describe
 
 if TYPE_CHECKING:
     import torch
-    from tdist._reduce_op import Reduction
+    from tdist.plugin import Reduction
 
     from .algorithms import Coll
     from .transport import Transport
@@ -128,14 +127,10 @@ def _futex_wake(addr: int) -> None:
 _memmove = ctypes.memmove
 
 
-def _flag(value: Any) -> bool:
-    return str(value).strip().lower() not in ("0", "false", "no", "off", "")
-
-
 def shm_enabled(options: Mapping[str, Any]) -> bool:
     """Whether this rank offers shared memory: ``options["shm"]``, else ``$TDIST_TCP_SHM``
     (default on), and only on Linux x86-64 with ``memfd_create`` and ``/proc``."""
-    if not _flag(options.get("shm", os.environ.get(SHM_ENV, "1"))):
+    if not flag(SHM_ENV, True, options.get("shm")):
         return False
     if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
         return False
@@ -389,7 +384,7 @@ class ShmEngine:
         else:  # more ranks than CPUs: the peer often needs our CPU, which the spin yields to it
             spin = (DEFAULT_SPIN_US if self.p <= ncpu else DEFAULT_SPIN_US_OVERSUBSCRIBED) * 1e-6
         self._spin = 0.0 if same_process else spin
-        self._yield = _flag(os.environ.get("TDIST_TCP_SHM_YIELD", "1"))
+        self._yield = flag("TDIST_TCP_SHM_YIELD", True)
 
     def wake(self) -> None:
         """Wake every waiter of this segment (the transport broke or a peer left)."""
@@ -580,7 +575,7 @@ class ShmEngine:
                         _memmove(at + qlo * es, self.base + self.off(q, b) + qlo * es, (qhi - qlo) * es)
 
     def _finalize(self, t: "torch.Tensor", op: "Reduction") -> None:
-        from tdist.reduction import finalize_
+        from tdist.plugin import finalize_
 
         from .algorithms import serially
 
@@ -656,7 +651,7 @@ class ShmEngine:
     def reduce_scatter(self, c: "Coll", out: "torch.Tensor", ins: Sequence["torch.Tensor"], op: "Reduction") -> None:
         """Rank r's ``out`` := reduction over ranks of their ``ins[r]`` (``ins`` are flat
         and contiguous; PREMUL_SUM is applied here, to copies, never to ``ins``)."""
-        from tdist.reduction import prescale_
+        from tdist.plugin import prescale_
 
         from .algorithms import serially
 

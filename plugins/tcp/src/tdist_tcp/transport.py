@@ -30,7 +30,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
-from tdist._errors import DistBackendError, DistBackendTimeoutError
+from tdist.plugin import DistBackendError, DistBackendTimeoutError
 
 from .wire import (
     ABORT,
