@@ -51,7 +51,7 @@ from .store_bridge import StoreBridge
 __all__ = ["GlooBackend", "GlooWork", "create_backend", "map_error", "local_address_for", "make_devices"]
 
 _c10d = torch._C._distributed_c10d
-_PG = _c10d.ProcessGroupGloo
+_PG: Any = _c10d.ProcessGroupGloo  # torch's stubs list few of its methods and options
 _R = _td.ReduceOp
 
 # ------------------------------------------------------------------- errors
@@ -372,7 +372,7 @@ def _chain(*steps: Optional[Callable[[], Any]]) -> Optional[Callable[[], None]]:
     if not todo:
         return None
     if len(todo) == 1:
-        return todo[0]  # type: ignore[return-value]
+        return todo[0]
 
     def run() -> None:
         for step in todo:

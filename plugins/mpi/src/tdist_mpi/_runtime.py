@@ -140,7 +140,11 @@ def _start() -> Runtime:
                 raise mpi_error("MPI_Init_thread", exc) from exc
             import atexit
 
-            atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
+            def _finalize() -> None:
+                if not MPI.Is_finalized():
+                    MPI.Finalize()
+
+            atexit.register(_finalize)
     # Errors come back as MPI.Exception (mpi4py's default policy; set again in case the
     # program changed it); the backend turns them into DistBackendError.
     MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
@@ -191,7 +195,8 @@ def _init_without_gil(respect_rc: bool) -> bool:
         threads = os.environ.get("MPI4PY_RC_THREADS", str(rc.threads)).strip().lower() in _TRUE
         level_name = os.environ.get("MPI4PY_RC_THREAD_LEVEL", rc.thread_level).strip().lower()
         level = _LEVELS.get(level_name, 3) if threads else 0
-        lib = _mpiabi._dlopen_libmpi(_mpiabi.LIBMPI or os.environ.get("MPI4PY_LIBMPI"))
+        abi: Any = _mpiabi  # mpi4py's private loader module: its stubs do not list _dlopen_libmpi
+        lib = abi._dlopen_libmpi(abi.LIBMPI or os.environ.get("MPI4PY_LIBMPI"))
         flag = ctypes.c_int(0)
         if lib.MPI_Initialized(ctypes.byref(flag)) != 0 or flag.value:
             return False
