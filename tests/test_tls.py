@@ -1,0 +1,83 @@
+"""Optional TLS: the TCPStore and the tcp backend's mesh over TLS, and no silent downgrade either way."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tdist._errors import DistStoreError
+from tdist._store.tcp_store import TCPStore
+from tdist._store.tls import TlsConfig
+
+from jobs import python_job
+from tls_certs import make_pki, needs_openssl, tls_env
+
+pytestmark = needs_openssl
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def _tls(pki: Path, **kwargs: object) -> TlsConfig:
+    config = TlsConfig.from_env(tls_env(pki, **kwargs))  # type: ignore[arg-type]
+    assert config is not None
+    return config
+
+
+def test_store_over_mutual_tls_with_a_token(pki):
+    tls = _tls(pki, client_auth=True)
+    with TCPStore("127.0.0.1", 0, is_master=True, tls=tls, token="secret", timeout=10) as master:
+        assert master._lease is not None and master._lease.server.uses_tls
+        client = TCPStore("127.0.0.1", master.port, tls=tls, token="secret", timeout=10)
+        client.set("k", b"v" * (3 << 20))  # several TLS records in one request
+        assert master.get("k") == b"v" * (3 << 20)
+        master.set("late", "x")
+        client.wait(["late"], timeout=5)
+        assert client.add("n", 2) == 2 and master.add("n", 1) == 3
+        with pytest.raises(DistStoreError, match="authentication failed"):
+            TCPStore("127.0.0.1", master.port, tls=tls, token="wrong", timeout=5)
+        client.close()
+
+
+@pytest.mark.parametrize("client, error", [
+    ("plaintext", "the server requires TLS"),
+    ("wrong CA", "certificate was rejected"),
+    ("no client certificate", "requires a client certificate"),
+])
+def test_a_tls_server_refuses_clients_it_cannot_trust_at_once(pki, client, error):
+    tls = _tls(pki, client_auth=True)
+    options = {"plaintext": False, "wrong CA": _tls(pki, ca="other-ca.pem"),
+               "no client certificate": TlsConfig(ca=str(pki / "ca.pem"))}[client]
+    with TCPStore("127.0.0.1", 0, is_master=True, tls=tls, timeout=10) as master:
+        with pytest.raises(DistStoreError, match=error) as info:  # at once: the 30 s timeout would fail the test
+            TCPStore("127.0.0.1", master.port, tls=options, timeout=30)
+        assert f"127.0.0.1:{master.port}" in str(info.value)
+        master.set("still", "serving")
+        assert master.get("still") == b"serving"
+
+
+def test_a_tls_client_refuses_a_plaintext_server(pki):
+    with TCPStore("127.0.0.1", 0, is_master=True, tls=False, timeout=10) as master:
+        with pytest.raises(DistStoreError, match="does not speak TLS") as info:
+            TCPStore("127.0.0.1", master.port, tls=_tls(pki), timeout=30)
+        assert f"127.0.0.1:{master.port}" in str(info.value)
+        master.set("still", "serving")
+        assert master.get("still") == b"serving"
+
+
+def test_hostname_check_is_on_by_default_and_can_be_turned_off(pki):
+    tls = _tls(pki)
+    with TCPStore("127.0.0.1", 0, is_master=True, tls=tls, timeout=10) as master:
+        wrong_name = TlsConfig.from_env({**tls_env(pki), "TDIST_TLS_CHECK_HOSTNAME": "1"})
+        assert wrong_name is not None
+        # the certificate names 127.0.0.1, not "localhost"
+        with pytest.raises(DistStoreError, match="certificate was rejected"):
+            TCPStore("localhost", master.port, tls=wrong_name, timeout=30)
+        chain_only = TlsConfig.from_env({**tls_env(pki), "TDIST_TLS_CHECK_HOSTNAME": "0"})
+        with TCPStore("localhost", master.port, tls=chain_only, timeout=10) as client:
+            client.set("a", "b")
+        assert master.get("a") == b"b"
