@@ -81,3 +81,23 @@ def test_hostname_check_is_on_by_default_and_can_be_turned_off(pki):
         with TCPStore("localhost", master.port, tls=chain_only, timeout=10) as client:
             client.set("a", "b")
         assert master.get("a") == b"b"
+
+
+_SOCKETS_ONLY = {"TDIST_TCP_SHM": "0", "TDIST_TCP_UNIX": "0"}  # ranks on one host talk over TCP, as between hosts
+
+
+def test_tcp_job_over_tls_sockets_with_env_init_a_token_and_mutual_tls(pki):
+    results = python_job([str(Path(__file__).with_name("tls_job.py")), "run"], 2, timeout=120,
+                         TDIST_STORE_TOKEN="job-token", **_SOCKETS_ONLY, **tls_env(pki, client_auth=True))
+    for rank, result in enumerate(results):
+        assert result.returncode == 0 and "TLS-JOB-OK" in result.stdout, (rank, result.stdout, result.stderr[-3000:])
+
+
+def test_ranks_disagreeing_about_mesh_tls_fail_with_a_clear_error(pki):
+    args = [str(pki / "ca.pem"), str(pki / "node.pem"), str(pki / "node.key")]
+    results = python_job([str(Path(__file__).with_name("tls_job.py")), "mesh-only", *args], 2, timeout=90,
+                         **_SOCKETS_ONLY)
+    outputs = [r.stdout for r in results]
+    assert all("INIT-FAILED" in out for out in outputs), [(r.stdout, r.stderr[-2000:]) for r in results]
+    assert "a connection without TLS (this rank requires TLS" in outputs[0], outputs[0]
+    assert "rank 0 requires TLS and this rank has none" in outputs[1], outputs[1]

@@ -247,6 +247,8 @@ class _Acceptor(threading.Thread):
             except OSError:
                 first = b""
             if first[:1] != bytes([_tls.TLS_RECORD_TYPE]):
+                if first:
+                    _tls.tell_tls_required(p.sock)
                 self._refuse(p, "a connection without TLS (this rank requires TLS: the ranks' TDIST_TLS_* "
                                 "variables or tls_* options differ)" if first else "a connection closed before TLS")
                 return False
@@ -344,6 +346,9 @@ def _handshake(sock: socket.socket, nonce: bytes, key: bytes, has_token: bool, r
     sock.settimeout(max(0.05, min(HANDSHAKE_LIMIT, deadline - time.monotonic())))
     sock.sendall(hello_c)
     reply = _recv_exact(sock, HELLO.size + MAC_SIZE)
+    if reply.startswith(_tls.TLS_REQUIRED):
+        raise _tls.TlsRefused(f"rank {peer} requires TLS and this rank has none configured (the ranks' TDIST_TLS_* "
+                              "variables or tls_* options differ)")
     hello = parse_hello(reply[:HELLO.size], nonce, size)
     if len(reply) != HELLO.size + MAC_SIZE or hello is None or hello.rank != peer:
         return False
@@ -438,7 +443,7 @@ def _connect_one(store: Any, peer: int, rank: int, size: int, secret: bytes, dea
         except _tls.TlsRefused as exc:
             if sock is not None:
                 sock.close()
-            raise DistNetworkError(f"tcp backend: rank {rank} refuses its TLS connection to rank {peer} at {addr}: "
+            raise DistNetworkError(f"tcp backend: rank {rank} cannot connect to rank {peer} at {addr} over TLS: "
                                    f"{exc}") from None
         except _AuthFailed as exc:
             if sock is not None:

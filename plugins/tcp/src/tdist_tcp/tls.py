@@ -24,7 +24,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 from tdist._store.tls import TLS_RECORD_TYPE, WOULD_BLOCK, TlsConfig, describe_ssl_error
 
-__all__ = ["MeshTls", "TlsStream", "TlsRefused", "mesh_tls", "TLS_RECORD_TYPE", "WOULD_BLOCK"]
+__all__ = ["MeshTls", "TlsStream", "TlsRefused", "mesh_tls", "TLS_RECORD_TYPE", "WOULD_BLOCK", "TLS_REQUIRED"]
+
+#: what a TLS rank answers (in plaintext) to a connection that sends a plaintext HELLO, so that
+#: the connecting rank can say why instead of retrying until its timeout
+TLS_REQUIRED = b"TDIST-TCP/TLS-REQUIRED"
 
 _OPTION_KEYS = ("cert", "key", "ca", "check_hostname", "client_auth")
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
@@ -132,6 +136,15 @@ class TlsStream:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.tls, name)
+
+
+def tell_tls_required(sock: socket.socket) -> None:
+    """Best effort: consume a plaintext HELLO and answer :data:`TLS_REQUIRED` before the caller closes."""
+    try:
+        sock.recv(4096)
+        sock.send(TLS_REQUIRED)
+    except OSError:
+        pass
 
 
 def refusal(exc: BaseException) -> str:
