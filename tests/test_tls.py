@@ -11,10 +11,12 @@ from tdist._errors import DistStoreError
 from tdist._store.tcp_store import TCPStore
 from tdist._store.tls import TlsConfig
 
-from jobs import python_job
-from tls_certs import make_pki, needs_openssl, tls_env
+from tdist.testing.tls_certs import OPENSSL, make_pki, tls_env
 
-pytestmark = needs_openssl
+from jobs import python_job
+
+pytestmark = pytest.mark.skipif(OPENSSL is None, reason="the TLS tests make their certificates with the openssl "
+                                "command-line tool, which is not installed")
 
 
 @pytest.fixture(scope="module")

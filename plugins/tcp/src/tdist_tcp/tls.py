@@ -8,18 +8,20 @@ handshake then runs inside TLS.
 
 :class:`TlsStream` presents a TLS connection as the few socket calls the transport makes.
 A blocking TLS socket retries a stalled write inside OpenSSL forever (``SO_SNDTIMEO`` is
-not seen), so the stream runs the socket with a Python timeout of the transport's send
-slice instead: a stalled ``send`` raises BlockingIOError after one slice, as a plain socket
-with ``SO_SNDTIMEO`` does, and the transport retries it with the same bytes (as OpenSSL
-requires). ``sendmsg`` sends the first buffer only (no copy of joined buffers: the caller
-sends the rest), and ``MSG_WAITALL`` is done by looping.
+not seen) and one TLS connection must not be used by two threads at once, so the stream
+runs the socket non-blocking under a lock (see :class:`TlsStream`). ``sendmsg`` sends the
+first buffer only (no copy of joined buffers: the caller sends the rest), and
+``MSG_WAITALL`` is done by looping.
 """
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import struct
+import threading
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 from tdist._store.tls import TLS_RECORD_TYPE, WOULD_BLOCK, TlsConfig, describe_ssl_error
@@ -82,26 +84,45 @@ def shake(sock: ssl.SSLSocket) -> bool:
 
 
 class TlsStream:
-    """A connected TLS socket with the plain socket's calls that the transport uses."""
+    """A connected TLS socket with the plain socket's calls that the transport uses.
 
-    __slots__ = ("tls",)
+    The transport reads a peer's socket in one thread while another sends on it, but one
+    OpenSSL connection must not be used by two threads at once. So the TLS socket is
+    non-blocking, every TLS call is made holding :attr:`lock` (never while waiting), and
+    waiting is done outside it with ``select``. A send that makes no progress for one send
+    slice (the transport's ``SO_SNDTIMEO``) raises BlockingIOError, as a plain socket does,
+    and is retried by the transport with the same bytes, as OpenSSL requires.
+    """
+
+    __slots__ = ("tls", "lock", "slice")
 
     def __init__(self, tls: ssl.SSLSocket) -> None:
         self.tls = tls
-        tls.settimeout(None)
+        self.lock = threading.Lock()
+        self.slice = 0.5
+        tls.settimeout(0.0)
 
     def setsockopt(self, level: int, option: int, value: Any) -> None:
         if level == socket.SOL_SOCKET and option == socket.SO_SNDTIMEO and isinstance(value, bytes):
             sec, usec = struct.unpack("ll", value)
-            self.tls.settimeout(sec + usec / 1e6)  # the send slice: see the module docstring
+            self.slice = max(0.001, sec + usec / 1e6)
         else:
             self.tls.setsockopt(level, option, value)
 
     def send(self, data: Any, flags: int = 0) -> int:
-        try:
-            return self.tls.send(data)
-        except socket.timeout:
-            raise BlockingIOError("TLS send: no progress within the send slice") from None
+        deadline = time.monotonic() + self.slice
+        while True:
+            with self.lock:
+                try:
+                    return self.tls.send(data)
+                except ssl.SSLWantReadError:
+                    want = 0
+                except ssl.SSLWantWriteError:
+                    want = 1
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BlockingIOError("TLS send: no progress within the send slice")
+            _wait(self.tls, want, left)
 
     def sendmsg(self, parts: Sequence[Any]) -> int:
         for part in parts:
@@ -114,9 +135,16 @@ class TlsStream:
         nbytes = nbytes or len(view)
         got = 0
         while got < nbytes:
-            try:
-                n = self.tls.recv_into(view[got:], nbytes - got)
-            except socket.timeout:  # the send slice also bounds reads: keep waiting, as a blocking read does
+            with self.lock:
+                try:
+                    n = self.tls.recv_into(view[got:], nbytes - got)
+                    want = -1
+                except ssl.SSLWantReadError:
+                    want = 0
+                except ssl.SSLWantWriteError:
+                    want = 1
+            if want >= 0:  # a blocking read: wait as long as it takes (shutdown() ends the wait)
+                _wait(self.tls, want, None)
                 continue
             if n == 0 or not flags & _WAITALL:
                 return got + n
@@ -136,6 +164,16 @@ class TlsStream:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.tls, name)
+
+
+def _wait(sock: socket.socket, write: int, timeout: Optional[float]) -> None:
+    """Until ``sock`` is readable (``write`` 0) or writable (1), or ``timeout`` s pass."""
+    fd = sock.fileno()
+    if fd < 0:
+        raise OSError("the socket is closed")
+    poller = select.poll()  # not select(): descriptors above 1023 are common in large jobs
+    poller.register(fd, select.POLLOUT if write else select.POLLIN)
+    poller.poll(None if timeout is None else max(1, int(timeout * 1000)))
 
 
 def tell_tls_required(sock: socket.socket) -> None:

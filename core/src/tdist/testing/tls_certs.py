@@ -1,4 +1,5 @@
-"""Throwaway certificate authorities and certificates for the TLS tests (the ``openssl`` CLI).
+"""Throwaway certificate authorities and certificates for TLS tests and ``python -m tdist.bench --tls``
+(made with the ``openssl`` command-line tool; :data:`OPENSSL` is None where it is missing).
 
 :func:`make_pki` writes, under a directory: ``ca.pem`` (a CA), ``node.pem``/``node.key`` (a
 certificate signed by it naming 127.0.0.1 (not localhost), used by servers and clients alike) and
@@ -13,19 +14,16 @@ import subprocess
 from pathlib import Path
 from typing import Dict
 
-import pytest
+__all__ = ["make_pki", "tls_env", "OPENSSL"]
 
-__all__ = ["make_pki", "tls_env", "needs_openssl"]
-
-_OPENSSL = shutil.which("openssl")
-needs_openssl = pytest.mark.skipif(_OPENSSL is None, reason="TLS tests need the openssl CLI to make certificates "
-                                   "(the cryptography package is not installed either)")
+OPENSSL = shutil.which("openssl")
 _KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
 
 def _openssl(*args: str, cwd: Path) -> None:
-    assert _OPENSSL is not None
-    subprocess.run([_OPENSSL, *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+    if OPENSSL is None:
+        raise RuntimeError("making test certificates needs the openssl command-line tool, which is not installed")
+    subprocess.run([OPENSSL, *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
 def _ca(directory: Path, name: str) -> None:
