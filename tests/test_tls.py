@@ -103,3 +103,10 @@ def test_ranks_disagreeing_about_mesh_tls_fail_with_a_clear_error(pki):
     assert all("INIT-FAILED" in out for out in outputs), [(r.stdout, r.stderr[-2000:]) for r in results]
     assert "a connection without TLS (this rank requires TLS" in outputs[0], outputs[0]
     assert "rank 0 requires TLS and this rank has none" in outputs[1], outputs[1]
+
+
+def test_tls_true_without_configuration_is_refused_before_connecting(monkeypatch):
+    for name in ("TDIST_TLS_CERT", "TDIST_TLS_CA"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="tls=True but no TLS is configured"):
+        TCPStore("127.0.0.1", 1, tls=True, timeout=1)

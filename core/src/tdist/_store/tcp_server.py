@@ -119,7 +119,7 @@ class TCPStoreServer:
         self._max_pending = max_pending if max_pending is not None else default_max_pending()
         self._listen_fd = listen_fd
         self._table = KeyTable(f"TCPStore {host}:{port}")
-        tls = TlsConfig.from_env() if tls is None or tls is True else (tls or None)
+        tls = TlsConfig.resolve(tls)
         self._tls: Optional[ssl.SSLContext] = tls.server_context(self._where()) if tls is not None else None
         if self._tls is not None:  # only TLS servers pay for the handshake state and the pending() loop
             self._on_read = self._on_read_tls  # type: ignore[method-assign]

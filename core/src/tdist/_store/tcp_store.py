@@ -143,7 +143,7 @@ class TCPStore(Store):
         self._world_size = None if world_size is None or int(world_size) < 0 else int(world_size)
         self._use_libuv = bool(use_libuv)
         self._token = token_bytes(token)
-        self._tls = TlsConfig.from_env() if tls is None or tls is True else (tls or None)
+        self._tls = TlsConfig.resolve(tls)
         self._tls_ctx = self._tls.client_context(self._where) if self._tls is not None else None
         self._lock = threading.Lock()
         deadline = time.monotonic() + self._timeout

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import ssl
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 __all__ = ["TlsConfig", "TlsError", "TLS_ENV", "WOULD_BLOCK", "TLS_RECORD_TYPE", "describe_ssl_error"]
 
@@ -74,6 +74,20 @@ class TlsConfig:
         if not cert and not ca:
             return None
         return cls(cert, key, ca, _flag(options.get("check_hostname"), True), _flag(options.get("client_auth"), False))
+
+    @classmethod
+    def resolve(cls, tls: Union["TlsConfig", None, bool]) -> Optional["TlsConfig"]:
+        """A ``tls=`` argument: a config as is, None for the variables' config, True for the
+        variables' config (which must exist), False for none."""
+        if isinstance(tls, TlsConfig):
+            return tls
+        if tls is False:
+            return None
+        config = cls.from_env()
+        if config is None and tls is True:
+            raise TlsError("tls=True but no TLS is configured: set TDIST_TLS_CA (clients) and TDIST_TLS_CERT / "
+                           "TDIST_TLS_KEY (servers), or pass a TlsConfig")
+        return config
 
     def server_context(self, where: str) -> ssl.SSLContext:
         """The context of a listening side (TLS 1.2+), requiring client certificates with ``client_auth``."""

@@ -454,6 +454,12 @@ def _connect_one(store: Any, peer: int, rank: int, size: int, secret: bytes, dea
             ) from None
         except (OSError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
+            why = _tls.fatal(exc) if tls is not None else None
+            if why is not None:  # e.g. the peer refused this rank's certificate (TLS 1.3 says so after the handshake)
+                if sock is not None:
+                    sock.close()
+                raise DistNetworkError(f"tcp backend: rank {rank} cannot connect to rank {peer} at {addr} over TLS: "
+                                       f"{why}") from None
         if sock is not None:
             sock.close()
         time.sleep(0.05)

@@ -185,6 +185,14 @@ def tell_tls_required(sock: socket.socket) -> None:
         pass
 
 
+def fatal(exc: BaseException) -> Optional[str]:
+    """Why a connection failed for good (a certificate refused by either side), None when
+    retrying may help (a closed connection, a timeout)."""
+    if isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError) + WOULD_BLOCK):
+        return describe_ssl_error(exc)
+    return None
+
+
 def refusal(exc: BaseException) -> str:
     """Why an accepted connection's TLS handshake failed, for the timeout error's list of refusals."""
     if isinstance(exc, ssl.SSLError):
