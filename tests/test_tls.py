@@ -110,3 +110,29 @@ def test_tls_true_without_configuration_is_refused_before_connecting(monkeypatch
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match="tls=True but no TLS is configured"):
         TCPStore("127.0.0.1", 1, tls=True, timeout=1)
+
+
+def test_tls_handshakes_share_the_deadline_and_the_cap(pki):
+    """Connections that start TLS and stall are capped and cut off at the handshake deadline;
+    a legitimate TLS client is served meanwhile."""
+    import socket
+    import time
+
+    from tdist._store.tcp_server import TCPStoreServer
+
+    with TCPStoreServer("127.0.0.1", 0, tls=_tls(pki), handshake_timeout=1.0, max_pending=4) as server:
+        stalled = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(8)]
+        try:
+            for sock in stalled:
+                sock.sendall(b"\x16\x03\x01")  # the start of a TLS record, then nothing
+            with TCPStore("127.0.0.1", server.port, tls=_tls(pki), timeout=10) as client:
+                client.set("k", "v")
+                assert client.get("k") == b"v"
+            assert server.pending_handshakes <= 4
+            deadline = time.monotonic() + 10
+            while server.pending_handshakes and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert server.pending_handshakes == 0
+        finally:
+            for sock in stalled:
+                sock.close()
