@@ -54,7 +54,7 @@ class MeshTls:
     def __init__(self, config: TlsConfig, where: str) -> None:
         self.config = config
         self.server = config.server_context(where)
-        self.server.options |= ssl.OP_NO_TICKET  # nothing after the handshake: reads never write, writes never read
+        self.server.num_tickets = 0  # no session tickets after the handshake: mesh connections are never resumed
         self.client = config.client_context(where)
 
     def connect(self, sock: socket.socket, host: str, limit: float) -> ssl.SSLSocket:
