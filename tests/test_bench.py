@@ -109,3 +109,15 @@ def test_report_helpers(tmp_path):
     write_csv(str(tmp_path / "x.csv"), rows)
     assert parse_size("256K") == 256 << 10 and parse_size("4MiB") == 4 << 20 and parse_size("4") == 4
     assert default_sizes(4, 64, 4) == [4, 16, 64]
+
+
+@pytest.mark.skipif(__import__("shutil").which("openssl") is None, reason="--tls makes its certificates with openssl")
+def test_tls_compares_tcp_with_and_without_tls(tmp_path):
+    out = tmp_path / "tls.json"
+    proc = _run(["--tls", "--no-mpi", "--sizes", "64K", "--repeats", "1", "--sample-time", "0.01", "--json", str(out)],
+                tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tcp+tls/tcp" in proc.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["backend"], r["op"], r["bytes"], r["world"]) for r in rows} == {
+        ("tcp", "all_reduce", 65536, 2), ("tcp+tls", "all_reduce", 65536, 2)}

@@ -10,7 +10,9 @@ Handshake (mutual authentication when a token is set):
    the server answers ``ACK``, or ``NAK`` and hangs up (a hang-up without ``NAK``, a connection
    shed under load or past the handshake deadline, is worth retrying).
 
-A client holding a token refuses a server that does not authenticate (no downgrade) and a
+A server configured for TLS (:mod:`.tls`) expects a TLS handshake first and runs the above
+inside TLS; to a client that sends a plaintext hello it answers ``auth`` = 2 (``TLS_REQUIRED``)
+and hangs up, so the client can say why. A client holding a token refuses a server that does not authenticate (no downgrade) and a
 server whose proof is wrong; a server with a token refuses a client whose proof is wrong.
 Fresh nonces on both sides make every proof single-use.
 
@@ -32,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .base import MAX_TIMEOUT_S
 
-__all__ = ["MAGIC", "VERSION", "NONCE_BYTES", "PROOF_BYTES", "ACK", "NAK", "TOKEN_ENV", "token_bytes", "server_proof",
+__all__ = ["MAGIC", "VERSION", "NONCE_BYTES", "PROOF_BYTES", "ACK", "NAK", "TLS_REQUIRED", "TOKEN_ENV", "token_bytes", "server_proof",
            "client_proof", "encode_request", "encode_reply", "encode_list", "decode_list", "parse_request",
            "timeout_arg", "ProtocolError", "MAX_ARG_BYTES", "MAX_ARGS", "MAX_REQUEST_BYTES", "NAMES"]
 
@@ -42,6 +44,7 @@ VERSION = 2
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 ACK = b"\x01"
+TLS_REQUIRED = 2  # the ``auth`` byte of a TLS server's answer to a plaintext hello
 NAK = b"\x00"  # a wrong proof; a connection closed without it (shed under load) is worth retrying
 CLIENT_HELLO_BYTES = len(MAGIC) + 1 + NONCE_BYTES
 SERVER_HELLO_BYTES = len(MAGIC) + 2 + NONCE_BYTES  # + PROOF_BYTES when the server authenticates

@@ -10,6 +10,11 @@ They get one deadline for the whole handshake (not per byte: a client dribbling 
 second is cut off), and at most ``max_pending`` of them are kept: a new one evicts the
 oldest. An attacker therefore costs a bounded number of file descriptors and no thread,
 and authenticated clients are served throughout.
+
+With TLS (:mod:`.tls`), a connection starts with a TLS handshake done without blocking
+(``do_handshake`` on the non-blocking socket), inside the same deadline and the same cap;
+the token handshake then runs inside TLS. A client that does not start with TLS is told
+so (a tdist client gets a hello saying TLS is required) and dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import resource
 import selectors
 import socket
+import ssl
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
@@ -33,9 +39,10 @@ from .table import KeyTable
 from .tcp_protocol import (
     ACK, ADD, APPEND, BARRIER, CHECK, CLIENT_HELLO_BYTES, COMPARE_SET, DELETE, EMPTY, ERROR, GET, LIST_KEYS, MAGIC,
     MULTI_GET, MULTI_SET, NAK, NONCE_BYTES, NUM_KEYS, OK, PING, PROOF_BYTES, QUEUE_LEN, QUEUE_POP, QUEUE_PUSH, SET,
-    TIMEOUT, VERSION, WAIT, ProtocolError, client_proof, encode_list, encode_reply, parse_request, server_proof,
+    TIMEOUT, TLS_REQUIRED, VERSION, WAIT, ProtocolError, client_proof, encode_list, encode_reply, parse_request, server_proof,
     timeout_arg, token_bytes,
 )
+from .tls import TLS_RECORD_TYPE, WOULD_BLOCK, TlsConfig
 
 __all__ = ["TCPStoreServer", "UnresolvableHostError", "HANDSHAKE_TIMEOUT", "default_max_pending"]
 
@@ -44,7 +51,8 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 10.0
 _RECV_BYTES = 256 << 10
 _MAX_UNSENT = 256 << 20
-_HELLO, _PROOF, _READY = 0, 1, 2
+_HELLO, _PROOF, _READY, _TLS_START, _TLS_SHAKE = 0, 1, 2, 3, 4
+_AGAIN = (BlockingIOError, InterruptedError) + WOULD_BLOCK
 _HELLO_HEAD = MAGIC + bytes([VERSION])
 _OK_EMPTY = encode_reply(OK)
 _TRUE, _FALSE = encode_reply(OK, b"\x01"), encode_reply(OK, b"\x00")
@@ -97,12 +105,13 @@ class TCPStoreServer:
     when asked); ``port=0`` picks a free port, see :attr:`port`. ``listen_fd`` takes over an
     already bound socket instead (torch's ``master_listen_fd``). ``token`` (default
     ``$TDIST_STORE_TOKEN``) makes the server and every client prove to each other that they
-    know the secret. Call :meth:`start`, and :meth:`stop` to close the sockets and end the thread.
+    know the secret. ``tls`` (default: from the ``TDIST_TLS_*`` variables; False: off) serves
+    every connection over TLS. Call :meth:`start`, and :meth:`stop` to close the sockets and end the thread.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: Union[bytes, str, None] = None,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, max_pending: Optional[int] = None,
-                 listen_fd: Optional[int] = None) -> None:
+                 listen_fd: Optional[int] = None, tls: Union[TlsConfig, None, bool] = None) -> None:
         self._host = host
         self._requested_port = int(port)
         self._token = token_bytes(token)
@@ -110,6 +119,11 @@ class TCPStoreServer:
         self._max_pending = max_pending if max_pending is not None else default_max_pending()
         self._listen_fd = listen_fd
         self._table = KeyTable(f"TCPStore {host}:{port}")
+        tls = TlsConfig.resolve(tls)
+        self._tls: Optional[ssl.SSLContext] = tls.server_context(self._where()) if tls is not None else None
+        if self._tls is not None:  # only TLS servers pay for the handshake state and the pending() loop
+            self._on_read = self._on_read_tls  # type: ignore[method-assign]
+            self._flush = self._flush_tls  # type: ignore[method-assign]
         self._listeners: List[socket.socket] = []
         self._sockname: Tuple = ()
         self._port = self._requested_port
@@ -155,6 +169,11 @@ class TCPStoreServer:
     def authenticates(self) -> bool:
         """Whether clients must prove they know a token."""
         return bool(self._token)
+
+    @property
+    def uses_tls(self) -> bool:
+        """Whether connections are served over TLS."""
+        return self._tls is not None
 
     @property
     def pending_handshakes(self) -> int:
@@ -366,6 +385,8 @@ class TCPStoreServer:
             while self._pending and len(self._pending) >= self._max_pending:  # the cap holds at every moment
                 self._close(next(iter(self._pending)))
             conn = _Conn(sock)
+            if self._tls is not None:
+                conn.state = _TLS_START
             self._conns[sock.fileno()] = conn
             self._pending[conn] = None
             assert self._sel is not None
@@ -400,7 +421,7 @@ class TCPStoreServer:
     def _on_read(self, conn: _Conn) -> None:
         try:  # into one preallocated buffer: recv(n) would allocate (mmap) n bytes per call
             size = conn.sock.recv_into(self._rbuf)
-        except (BlockingIOError, InterruptedError):
+        except _AGAIN:
             return
         except OSError:
             self._close(conn)
@@ -430,7 +451,7 @@ class TCPStoreServer:
         if not conn.out:  # the common case: nothing queued, send directly
             try:
                 sent = conn.sock.send(data)
-            except (BlockingIOError, InterruptedError):
+            except _AGAIN:
                 sent = 0
             except OSError:
                 self._close(conn)
@@ -446,7 +467,7 @@ class TCPStoreServer:
             try:
                 sent = conn.sock.send(conn.out)
                 del conn.out[:sent]
-            except (BlockingIOError, InterruptedError):
+            except _AGAIN:
                 pass
             except OSError:
                 self._close(conn)
@@ -460,10 +481,82 @@ class TCPStoreServer:
             assert self._sel is not None
             self._sel.modify(conn.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if want_write else 0), conn)
 
+    # ----------------------------------------------------------------- TLS
+    def _on_read_tls(self, conn: _Conn) -> None:
+        """``_on_read`` of a TLS server: the TLS handshake first, then read until the TLS
+        layer holds no decrypted bytes (the selector cannot see those)."""
+        if conn.state == _TLS_START:
+            self._tls_start(conn)
+            return
+        if conn.state == _TLS_SHAKE:
+            self._tls_shake(conn)
+            if conn.state == _TLS_SHAKE or conn.closed:
+                return
+        while True:
+            TCPStoreServer._on_read(self, conn)
+            if conn.closed or not conn.sock.pending():  # type: ignore[attr-defined]
+                return
+
+    def _flush_tls(self, conn: _Conn) -> None:
+        if conn.state == _TLS_SHAKE:
+            self._tls_shake(conn)
+        else:
+            TCPStoreServer._flush(self, conn)
+
+    def _tls_start(self, conn: _Conn) -> None:
+        """Peek at the first byte: a TLS ClientHello starts the TLS handshake; a plaintext
+        tdist client is told that TLS is required; anything else is dropped."""
+        try:
+            first = conn.sock.recv(1, socket.MSG_PEEK)
+        except _AGAIN:
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if first and first[0] == TLS_RECORD_TYPE:
+            assert self._sel is not None and self._tls is not None
+            self._sel.unregister(conn.sock)
+            conn.sock = self._tls.wrap_socket(conn.sock, server_side=True, do_handshake_on_connect=False)
+            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+            conn.writing, conn.state = False, _TLS_SHAKE
+            self._tls_shake(conn)
+            return
+        if first == MAGIC[:1]:
+            try:  # consume its hello, so that closing does not reset the connection before it reads ours
+                conn.sock.recv(4096)
+                conn.sock.send(MAGIC + bytes([VERSION, TLS_REQUIRED]) + bytes(NONCE_BYTES))
+            except OSError:
+                pass
+        log.debug("TCPStoreServer: dropping a connection that does not start with TLS")
+        self._close(conn)
+
+    def _tls_shake(self, conn: _Conn) -> None:
+        """One non-blocking step of the TLS handshake (the handshake deadline bounds them all)."""
+        want_write = False
+        try:
+            conn.sock.do_handshake()  # type: ignore[attr-defined]
+        except ssl.SSLWantReadError:
+            pass
+        except ssl.SSLWantWriteError:
+            want_write = True
+        except (ssl.SSLError, OSError) as exc:
+            log.debug("TCPStoreServer: TLS handshake failed: %s", exc)
+            self._close(conn)
+            return
+        else:
+            conn.state = _HELLO
+        if want_write != conn.writing:
+            conn.writing = want_write
+            assert self._sel is not None
+            self._sel.modify(conn.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if want_write else 0), conn)
+
     # ----------------------------------------------------------------- handshake
     def _handshake(self, conn: _Conn) -> None:
         buf = conn.buf
         if conn.state == _HELLO:
+            if self._tls is None and buf[:1] == bytes([TLS_RECORD_TYPE]):  # a TLS client: answer in plaintext,
+                self._send(conn, MAGIC + bytes([VERSION, 0]) + bytes(NONCE_BYTES))  # which it reports
+                raise ProtocolError("a TLS client; this server runs without TLS")
             head = bytes(buf[: len(_HELLO_HEAD)])
             if not _HELLO_HEAD.startswith(head):  # checked from the first byte: garbage is dropped at once
                 raise ProtocolError("bad handshake magic or version")

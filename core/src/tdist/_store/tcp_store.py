@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -22,10 +23,12 @@ from .table import INTERNAL_PREFIX
 from .tcp_protocol import (
     ACK, ADD, APPEND, BARRIER, CHECK, COMPARE_SET, DELETE, EMPTY, ERROR, F64, GET, HEAD,
     LIST_KEYS, MAGIC, MAX_ARG_BYTES, MAX_ARGS, MAX_REQUEST_BYTES, MULTI_GET, MULTI_SET, NAMES, NONCE_BYTES, NUM_KEYS,
-    PING, PROOF_BYTES, QUEUE_LEN, QUEUE_POP, QUEUE_PUSH, SERVER_HELLO_BYTES, SET, TIMEOUT, TOKEN_ENV, VERSION, WAIT,
+    PING, PROOF_BYTES, QUEUE_LEN, QUEUE_POP, QUEUE_PUSH, SERVER_HELLO_BYTES, SET, TIMEOUT, TLS_REQUIRED, TOKEN_ENV,
+    VERSION, WAIT,
     client_proof, decode_list, encode_request, server_proof, token_bytes,
 )
 from .tcp_server import HANDSHAKE_TIMEOUT, TCPStoreServer, UnresolvableHostError
+from .tls import WOULD_BLOCK, TlsConfig, describe_ssl_error
 
 __all__ = ["TCPStore", "TCPStoreServer", "StoreConnectionError", "StoreConnectTimeoutError", "TOKEN_ENV"]
 
@@ -115,6 +118,9 @@ class TCPStore(Store):
     and a DistStoreTimeoutError) naming ``host:port``. ``token`` (default ``$TDIST_STORE_TOKEN``)
     is the shared secret: the server and the client each prove they know it (HMAC over two
     fresh nonces); a client holding a token refuses a server that does not authenticate.
+    ``tls`` (default: from the ``TDIST_TLS_*`` variables, see :mod:`tdist._store.tls`; False:
+    off) runs the connection, and the master's server, over TLS; the token handshake then
+    runs inside it. A TLS client refuses a server without TLS, and the other way round.
     Methods are thread-safe (one request at a time per store: ``clone()`` gives another
     connection for another thread). A lost connection raises :class:`StoreConnectionError`;
     the next call tries once to reconnect. ``close()`` (or dropping the last reference) ends
@@ -124,7 +130,7 @@ class TCPStore(Store):
     def __init__(self, host_name: str, port: int, world_size: Optional[int] = None, is_master: bool = False,
                  timeout: Timeout = DEFAULT_STORE_TIMEOUT, wait_for_workers: bool = True, multi_tenant: bool = False,
                  master_listen_fd: Optional[int] = None, use_libuv: bool = True, *,
-                 token: Union[str, bytes, None] = None) -> None:
+                 token: Union[str, bytes, None] = None, tls: Union[TlsConfig, None, bool] = None) -> None:
         self._sock: Optional[socket.socket] = None
         self._io_limit = -1.0  # the send/receive timeout set on _sock
         self._lease: Optional[_ServerLease] = None
@@ -137,6 +143,8 @@ class TCPStore(Store):
         self._world_size = None if world_size is None or int(world_size) < 0 else int(world_size)
         self._use_libuv = bool(use_libuv)
         self._token = token_bytes(token)
+        self._tls = TlsConfig.resolve(tls)
+        self._tls_ctx = self._tls.client_context(self._where) if self._tls is not None else None
         self._lock = threading.Lock()
         deadline = time.monotonic() + self._timeout
         try:
@@ -157,6 +165,7 @@ class TCPStore(Store):
         clone._sock, clone._closed, clone._io_limit = None, False, -1.0
         clone._host, clone._port, clone._world_size = other._host, other._port, other._world_size
         clone._use_libuv, clone._token, clone._lock = other._use_libuv, other._token, threading.Lock()
+        clone._tls, clone._tls_ctx = other._tls, other._tls_ctx
         clone._lease = other._lease.acquire() if other._lease is not None else None
         try:
             clone._sock = clone._connect(time.monotonic() + clone._timeout)
@@ -208,7 +217,8 @@ class TCPStore(Store):
                     return lease
         delay = 0.05
         while True:
-            server = TCPStoreServer(self._host, self._port, token=self._token, listen_fd=listen_fd)
+            server = TCPStoreServer(self._host, self._port, token=self._token, listen_fd=listen_fd,
+                                    tls=self._tls or False)
             try:
                 server.start()
                 break
@@ -241,7 +251,10 @@ class TCPStore(Store):
                 error: Exception = exc
             else:
                 try:
-                    self._handshake(sock, min(HANDSHAKE_TIMEOUT, max(deadline - time.monotonic(), 0.05)))
+                    limit = min(HANDSHAKE_TIMEOUT, max(deadline - time.monotonic(), 0.05))
+                    if self._tls_ctx is not None:
+                        sock = self._tls_handshake(sock, limit)
+                    self._handshake(sock, limit)
                     sock.settimeout(None)  # blocking: requests are bounded by SO_RCVTIMEO/SO_SNDTIMEO instead
                     self._io_limit = -1.0
                     return sock
@@ -261,7 +274,30 @@ class TCPStore(Store):
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 1.0)
 
+    def _tls_handshake(self, sock: socket.socket, limit: float) -> socket.socket:
+        """Wrap ``sock`` in TLS and shake hands within ``limit`` s; a refused certificate or a
+        server without TLS raises DistStoreError (not retried: retrying cannot fix it)."""
+        assert self._tls_ctx is not None
+        sock.settimeout(limit)
+        try:
+            tls_sock = self._tls_ctx.wrap_socket(sock, server_hostname=self._host)
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
+            raise
+        except ssl.SSLError as exc:
+            sock.close()
+            raise DistStoreError(f"{self._where}: refusing the server: {describe_ssl_error(exc)}") from exc
+        return tls_sock
+
     def _handshake(self, sock: socket.socket, limit: float) -> None:
+        try:
+            self._token_handshake(sock, limit)
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError) + WOULD_BLOCK:
+            raise
+        except ssl.SSLError as exc:  # e.g. the server refused our certificate (TLS 1.3 says so only now)
+            raise DistStoreError(f"{self._where}: the server refused the connection: {describe_ssl_error(exc)}") \
+                from exc
+
+    def _token_handshake(self, sock: socket.socket, limit: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(limit)
         nonce = os.urandom(NONCE_BYTES)
@@ -271,6 +307,9 @@ class TCPStore(Store):
             raise DistStoreError(f"{self._where}: the server is not a tdist store of protocol version {VERSION} "
                                  "(another program, or torch's TCPStore, listens there)")
         authenticates, server_nonce = hello[len(MAGIC) + 1], hello[len(MAGIC) + 2 :]
+        if authenticates == TLS_REQUIRED:
+            raise DistStoreError(f"{self._where}: the server requires TLS and this store has none: set TDIST_TLS_CA "
+                                 "(and TDIST_TLS_CERT / TDIST_TLS_KEY when it asks for client certificates)")
         if not authenticates:
             if self._token:
                 raise DistStoreError(
@@ -326,7 +365,7 @@ class TCPStore(Store):
                     self._io_limit = limit
                 sock.sendall(frame)
                 status, payload = self._read_reply(sock)
-            except (socket.timeout, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO/SO_SNDTIMEO expired
+            except (socket.timeout, BlockingIOError) + WOULD_BLOCK as exc:  # SO_RCVTIMEO/SO_SNDTIMEO expired
                 self._drop_connection()
                 raise DistStoreTimeoutError(f"{self._where}: {NAMES[cmd]}: no reply within {limit:g} s (timeout); "
                                             "connection dropped") from exc

@@ -9,6 +9,7 @@ Examples::
     python -m tdist.bench --recorder-overhead               # tdist-debug's flight recorder, per op
     python -m tdist.bench --store                           # TCPStore: tdist against torch's
     python -m tdist.bench --ddp                   # torch DDP steps on tdist-tcp vs torch's gloo
+    python -m tdist.bench --tls                   # tcp over sockets: TLS on vs off (16 MiB all_reduce)
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-clients", type=int, default=16, help="client processes for --store (default 16)")
     p.add_argument("--store-ops", type=int, default=1000, help="adds per client for --store (default 1000)")
     p.add_argument("--store-keys", type=int, default=100, help="keys per multi_get for --store (default 100)")
+    p.add_argument("--tls", action="store_true",
+                   help="tcp over sockets with TLS against without (throwaway certificates; needs openssl); "
+                        "default: all_reduce of 16M on 2 ranks")
     p.add_argument("--ddp", action="store_true",
                    help="time torch's DistributedDataParallel steps on tdist-tcp against torch's gloo instead "
                         "(--world-sizes, --repeats apply)")
@@ -143,6 +147,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.json:
             write_json(args.json, rows, {"mode": "ddp"})
         return 0
+    if args.tls:
+        import shutil
+
+        from .tls import configure_tls_bench
+
+        certificates = configure_tls_bench(args)
+        try:
+            return _collectives(args, argv)
+        finally:
+            shutil.rmtree(certificates, ignore_errors=True)
+    return _collectives(args, argv)
+
+
+def _collectives(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]
     if bad:

@@ -270,6 +270,7 @@ def make_adapters(cfg: dict, rank: int, world: int, under_mpi: bool) -> tuple[li
             import tdist
 
             backend = name[len("tdist-"):] if name.startswith("tdist-") else name
+            backend = backend.partition("+")[0]  # "tcp+tls": a variant of "tcp" with other options
             options = cfg.get("options", {}).get(name) or None
             if tdist_default is None:
                 init = "mpi://" if backend == "mpi" else f"tcp://127.0.0.1:{cfg['ports']['tdist']}"

@@ -31,6 +31,7 @@ from tdist.plugin import (
     store_endpoint,
 )
 
+from . import tls as _tls
 from .auth import ACCEPTED, HELLO, MAC_SIZE, REFUSED, group_key, mac, make_hello, parse_hello, token_mismatch_hint
 
 __all__ = ["choose_host", "configure_socket", "connect_mesh", "Mesh", "HOST_ENV", "IFNAME_ENV"]
@@ -113,7 +114,7 @@ class _AuthFailed(Exception):
 class _Pending:
     """An accepted connection still in its handshake: reading ``want`` bytes into ``buf``."""
 
-    __slots__ = ("sock", "buf", "want", "limit", "hello_c", "hello_a", "peer", "flags")
+    __slots__ = ("sock", "buf", "want", "limit", "hello_c", "hello_a", "peer", "flags", "tls")
 
     def __init__(self, sock: socket.socket, limit: float) -> None:
         self.sock = sock
@@ -124,6 +125,7 @@ class _Pending:
         self.hello_a = b""
         self.peer = -1
         self.flags = 0
+        self.tls = 0  # 1: TLS expected, its first byte not seen yet; 2: TLS handshake running; 3: TLS up
 
 
 class _Acceptor(threading.Thread):
@@ -136,9 +138,10 @@ class _Acceptor(threading.Thread):
     """
 
     def __init__(self, listeners: list[socket.socket], rank: int, size: int, nonce: bytes, key: bytes,
-                 has_token: bool, deadline: float) -> None:
+                 has_token: bool, deadline: float, tls: Optional[_tls.MeshTls] = None) -> None:
         super().__init__(name=f"tdist-tcp-accept-r{rank}", daemon=True)
         self.listeners = listeners
+        self.tls = tls  # serves the TCP listener (listeners[0]) only
         self.rank = rank
         self.size = size
         self.nonce = nonce
@@ -188,6 +191,7 @@ class _Acceptor(threading.Thread):
             self._drop(next(iter(self._pending.values())), None)  # the oldest
         conn.setblocking(False)
         p = _Pending(conn, min(self.deadline, time.monotonic() + HANDSHAKE_LIMIT))
+        p.tls = 1 if self.tls is not None and listener is self.listeners[0] else 0
         self._pending[conn] = p
         self._sel.register(conn, selectors.EVENT_READ)
 
@@ -202,10 +206,47 @@ class _Acceptor(threading.Thread):
         if reason and len(self.refusals) < 8:
             self.refusals.append(f"a connection claiming rank {p.peer}: {reason}")
 
+    def _refuse(self, p: _Pending, reason: str) -> None:
+        if len(self.refusals) < 8:
+            self.refusals.append(reason)
+        self._drop(p, None)
+
+    def _tls_step(self, p: _Pending) -> bool:
+        """Advance the TLS handshake of ``p``: True once TLS is up (or not expected)."""
+        assert self.tls is not None
+        if p.tls == 1:
+            try:
+                first = p.sock.recv(1, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                first = b""
+            if first[:1] != bytes([_tls.TLS_RECORD_TYPE]):
+                if first:
+                    _tls.tell_tls_required(p.sock)
+                self._refuse(p, "a connection without TLS (this rank requires TLS: the ranks' TDIST_TLS_* "
+                                "variables or tls_* options differ)" if first else "a connection closed before TLS")
+                return False
+            self._sel.unregister(p.sock)
+            del self._pending[p.sock]
+            p.sock, p.tls = self.tls.accept(p.sock), 2
+            self._pending[p.sock] = p
+            self._sel.register(p.sock, selectors.EVENT_READ)
+        try:
+            if not _tls.shake(p.sock):  # type: ignore[arg-type]
+                return False
+        except OSError as exc:
+            self._refuse(p, _tls.refusal(exc))
+            return False
+        p.tls = 3
+        return True
+
     def _read(self, p: _Pending) -> None:
+        if 0 < p.tls < 3 and not self._tls_step(p):
+            return
         try:
             chunk = p.sock.recv(p.want - len(p.buf))
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError) + _tls.WOULD_BLOCK:
             return
         except OSError:
             chunk = b""
@@ -223,6 +264,10 @@ class _Acceptor(threading.Thread):
     def _on_hello(self, p: _Pending) -> None:
         """Step 2: answer a valid HELLO with ours and our proof."""
         hello = parse_hello(bytes(p.buf), self.nonce, self.size)
+        if self.tls is None and p.buf[:1] == bytes([_tls.TLS_RECORD_TYPE]):
+            self._refuse(p, "a connection starting TLS (this rank has no TLS configured: the ranks' TDIST_TLS_* "
+                            "variables or tls_* options differ)")
+            return
         if hello is None or hello.rank not in self._wanted or hello.rank in self.accepted:
             self._drop(p, None)
             return
@@ -254,7 +299,7 @@ class _Acceptor(threading.Thread):
         self._sel.unregister(p.sock)
         p.sock.setblocking(True)
         configure_socket(p.sock, 0)
-        self.accepted[p.peer] = p.sock
+        self.accepted[p.peer] = _tls.TlsStream(p.sock) if p.tls else p.sock  # type: ignore
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -276,6 +321,9 @@ def _handshake(sock: socket.socket, nonce: bytes, key: bytes, has_token: bool, r
     sock.settimeout(max(0.05, min(HANDSHAKE_LIMIT, deadline - time.monotonic())))
     sock.sendall(hello_c)
     reply = _recv_exact(sock, HELLO.size + MAC_SIZE)
+    if reply.startswith(_tls.TLS_REQUIRED):
+        raise _tls.TlsRefused(f"rank {peer} requires TLS and this rank has none configured (the ranks' TDIST_TLS_* "
+                              "variables or tls_* options differ)")
     hello = parse_hello(reply[:HELLO.size], nonce, size)
     if len(reply) != HELLO.size + MAC_SIZE or hello is None or hello.rank != peer:
         return False
@@ -331,7 +379,7 @@ def _group_auth(store: Any, secret: bytes, timeout: float) -> _Auth:
 
 
 def _connect_one(store: Any, peer: int, rank: int, size: int, secret: bytes, deadline: float, buffer_bytes: int,
-                 use_unix: bool) -> socket.socket:
+                 use_unix: bool, tls: Optional[_tls.MeshTls] = None) -> socket.socket:
     """Connect to lower rank ``peer`` and handshake, retrying (re-reading the store, so a
     stale address or nonce is replaced by the fresh one) until ``deadline``. Same-host
     peers are reached through a Unix-domain socket when possible (several times TCP
@@ -360,11 +408,18 @@ def _connect_one(store: Any, peer: int, rank: int, size: int, secret: bytes, dea
             configure_socket(sock, buffer_bytes)
             sock.settimeout(max(0.05, min(HANDSHAKE_LIMIT, deadline - time.monotonic())))
             sock.connect(sockaddr)
+            if tls is not None:
+                sock = tls.connect(sock, host, max(0.05, min(HANDSHAKE_LIMIT, deadline - time.monotonic())))
             if _handshake(sock, auth.nonce, auth.key, auth.has_token, rank, size, peer, deadline):
-                return sock
+                return _tls.TlsStream(sock) if tls is not None else sock  # type: ignore
             last = "handshake refused (wrong group nonce, protocol version or world size)"
         except DistStoreTimeoutError:
             raise
+        except _tls.TlsRefused as exc:
+            if sock is not None:
+                sock.close()
+            raise DistNetworkError(f"tcp backend: rank {rank} cannot connect to rank {peer} at {addr} over TLS: "
+                                   f"{exc}") from None
         except _AuthFailed as exc:
             if sock is not None:
                 sock.close()
@@ -374,6 +429,12 @@ def _connect_one(store: Any, peer: int, rank: int, size: int, secret: bytes, dea
             ) from None
         except (OSError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
+            why = _tls.fatal(exc) if tls is not None else None
+            if why is not None:  # e.g. the peer refused this rank's certificate (TLS 1.3 says so after the handshake)
+                if sock is not None:
+                    sock.close()
+                raise DistNetworkError(f"tcp backend: rank {rank} cannot connect to rank {peer} at {addr} over TLS: "
+                                       f"{why}") from None
         if sock is not None:
             sock.close()
         time.sleep(0.05)
@@ -420,6 +481,7 @@ def connect_mesh(store: Any, rank: int, size: int, timeout: float, options: Mapp
     ``timeout`` seconds; ``secret`` is the factory's (empty: no authentication)."""
     deadline = time.monotonic() + timeout
     buffer_bytes = int(options.get("socket_buffer", DEFAULT_SOCKET_BUFFER))
+    tls = _tls.mesh_tls(options, f"tcp backend rank {rank}")
     host = choose_host(store, options)
     port = int(options.get("port", 0))
     try:
@@ -458,12 +520,14 @@ def connect_mesh(store: Any, rank: int, size: int, timeout: float, options: Mapp
                 listeners.append(unix_listener)
                 store.set(UNIX_KEY.format(rank), unix_name)
         if rank < size - 1:
-            acceptor = _Acceptor(listeners, rank, size, nonce, group_key(secret, nonce), bool(secret), deadline)
+            acceptor = _Acceptor(listeners, rank, size, nonce, group_key(secret, nonce), bool(secret), deadline,
+                                 tls)
             acceptor.start()
         store.set(ADDR_KEY.format(rank), _format_addr(host, bound_port))
         for peer in range(rank):
             try:
-                connected[peer] = _connect_one(store, peer, rank, size, secret, deadline, buffer_bytes, use_unix)
+                connected[peer] = _connect_one(store, peer, rank, size, secret, deadline, buffer_bytes, use_unix,
+                                               tls)
             except DistStoreTimeoutError:
                 raise _timeout_error(rank, timeout, store, [p for p in range(rank) if p not in connected]) from None
         if acceptor is not None:
