@@ -88,6 +88,7 @@ from ._store import (
     as_torch_store,
     from_torch_store,
 )
+from ._store.tls import TlsConfig, TlsError
 from ._subgroups import new_subgroups, new_subgroups_by_enumeration
 from ._work import Work
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
@@ -124,6 +125,7 @@ __all__ = [
     "ReduceOp", "reduce_op", "Reduction", "make_premul_sum", "supports_complex", "Work",
     # stores
     "Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "TorchStore", "as_torch_store", "from_torch_store",
+    "TlsConfig", "TlsError",
     "QueueEmptyError", "rendezvous",
     # errors
     "DistError", "DistBackendError", "DistStoreError", "DistNetworkError", "DistBackendTimeoutError",

@@ -39,6 +39,7 @@ from ._flags import flag
 from ._plugins import BackendRegistry, RendezvousHandler, RendezvousRegistry, WorkInfo, plugins
 from ._reduce_op import ReduceOp, Reduction, as_reduction
 from ._store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore
+from ._store.tls import TLS_RECORD_TYPE, WOULD_BLOCK, TlsConfig, TlsError, describe_ssl_error
 from ._work import Timeout, Work, seconds
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
 from .reduction import check_reduction, combine_, finalize_, premul_factor, prescale_, prescaled
@@ -57,6 +58,8 @@ __all__ = [
     "DistStoreError", "DistStoreTimeoutError",
     # in-process registration
     "register_plugin", "registered_plugins",
+    # TLS (the store's and the tcp backend's): configuration and the helpers a TLS transport needs
+    "TlsConfig", "TlsError", "describe_ssl_error", "TLS_RECORD_TYPE", "WOULD_BLOCK",
     # settings and addresses
     "flag", "local_address_for", "route_address", "store_endpoint",
     # stores

@@ -29,6 +29,8 @@ import ssl
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
+from .._flags import flag
+
 __all__ = ["TlsConfig", "TlsError", "TLS_ENV", "WOULD_BLOCK", "TLS_RECORD_TYPE", "describe_ssl_error"]
 
 TLS_ENV = ("TDIST_TLS_CERT", "TDIST_TLS_KEY", "TDIST_TLS_CA", "TDIST_TLS_CHECK_HOSTNAME", "TDIST_TLS_CLIENT_AUTH")
@@ -42,12 +44,9 @@ class TlsError(ValueError):
     """The TLS configuration is incomplete or its files cannot be loaded."""
 
 
-def _flag(value: object, default: bool) -> bool:
-    if value is None or value == "":
-        return default
-    if isinstance(value, bool):
-        return value
-    return str(value).strip().lower() not in ("0", "false", "no", "off")
+def _setting(value: object) -> object:
+    """A TLS option as :func:`flag` reads it: unset (None or empty) means the default."""
+    return "" if value is None else value
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,9 @@ class TlsConfig:
         cert, key, ca = (str(options[k]) if options.get(k) else None for k in ("cert", "key", "ca"))
         if not cert and not ca:
             return None
-        return cls(cert, key, ca, _flag(options.get("check_hostname"), True), _flag(options.get("client_auth"), False))
+        check_hostname = flag("TDIST_TLS_CHECK_HOSTNAME", True, _setting(options.get("check_hostname")))
+        client_auth = flag("TDIST_TLS_CLIENT_AUTH", False, _setting(options.get("client_auth")))
+        return cls(cert, key, ca, check_hostname, client_auth)
 
     @classmethod
     def resolve(cls, tls: Union["TlsConfig", None, bool]) -> Optional["TlsConfig"]:

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-from tdist._store.tls import TLS_RECORD_TYPE, WOULD_BLOCK, TlsConfig, describe_ssl_error
+from tdist.plugin import TLS_RECORD_TYPE, WOULD_BLOCK, TlsConfig, describe_ssl_error
 
 __all__ = ["MeshTls", "TlsStream", "TlsRefused", "mesh_tls", "TLS_RECORD_TYPE", "WOULD_BLOCK", "TLS_REQUIRED"]
 
