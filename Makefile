@@ -33,7 +33,7 @@ test: venv lint
 
 # Static checks, part of `make test` (and so of CI): ruff's lint rules and mypy (pyproject.toml).
 MYPY_PATHS := core/src/tdist core/src/tdist_autoload plugins/debug/src/tdist_debug \
-              plugins/gloo/src/tdist_gloo plugins/mpi/src/tdist_mpi plugins/nccl/src/tdist_nccl
+              plugins/tcp/src/tdist_tcp plugins/gloo/src/tdist_gloo plugins/mpi/src/tdist_mpi plugins/nccl/src/tdist_nccl
 lint: venv
 	$(VENV)/bin/ruff check core plugins tests examples
 	$(VENV)/bin/mypy $(MYPY_PATHS)

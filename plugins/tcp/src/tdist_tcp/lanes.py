@@ -54,6 +54,9 @@ class TcpWork(Work):
     ``eager`` and ``started`` are what the lane needs to schedule it."""
 
     __slots__ = ("_job", "_lane", "_on_timeout", "fn", "queued_at", "eager", "started")
+    fn: Callable[[], Any]  # set when queued (see Lane)
+    queued_at: float
+    eager: bool
 
     def __init__(self, op: str, default_timeout: Optional[float]) -> None:
         super().__init__(op, default_timeout)

@@ -167,7 +167,7 @@ class _Acceptor(threading.Thread):
                 for key, _ in sel.select(timeout=0.05):
                     sock = key.fileobj
                     if sock in self.listeners:
-                        self._accept(sock)  # type: ignore[arg-type]
+                        self._accept(sock)
                     else:
                         self._read(self._pending[sock])  # type: ignore[index]
                 now = time.monotonic()
@@ -442,7 +442,8 @@ def _connect_one(store: Any, peer: int, rank: int, size: int, secret: bytes, dea
 
 def _missing_ranks(store: Any, ranks: list[int]) -> tuple[list[int], list[int]]:
     """Split ``ranks`` into those that never published an address and those that did."""
-    absent, present = [], []
+    absent: list[int] = []
+    present: list[int] = []
     for peer in ranks:
         try:
             ok = store.check([ADDR_KEY.format(peer)])

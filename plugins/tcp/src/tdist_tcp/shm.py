@@ -404,7 +404,7 @@ class ShmEngine:
         self.closed = True
         self.wake()
         self._views, self._kernels, self._last_kernel = {}, {}, (None, None, None)
-        self._t8 = self.u8 = self.ctl = None
+        self._t8 = self.u8 = self.ctl = None  # type: ignore[assignment]  # closed: nothing mapped any more
         self._peer_ctr, self._peer_flags = [], []
         try:
             self.mm.close()
@@ -506,7 +506,7 @@ class ShmEngine:
         if nb <= self.direct_bytes:
             b = self.rounds & 1
             self.rounds += 1
-            desc = self._put_desc(c, nb, root or 0)
+            desc: Optional[tuple] = self._put_desc(c, nb, root or 0)
             uf = K.ufunc
             if uf is not None:  # numpy all the way (the common case, and the fast one)
                 arr = flat.numpy()

@@ -105,7 +105,7 @@ class _Stashed:
         self.op, self.redop, self.seq, self.dtype, self.tag = op, redop, seq, dtype, tag
         self.nbytes = nbytes
         self.shape = shape
-        self.data = np.empty(nbytes, dtype=np.uint8)
+        self.data: Any = np.empty(nbytes, dtype=np.uint8)  # a buffer (numpy's stubs do not say so)
         self.ready = threading.Lock()
         self.ready.acquire()
         self.error: Optional[BaseException] = None
@@ -298,6 +298,7 @@ class Transport:
         frame must be ``part`` (the algorithm's step/segment number) of that collective."""
         pr = PostedRecv(src, dest, op, redop, seq, dtype, part)
         peer = self.peers[src]
+        assert peer is not None  # never this rank
         with self._lock:
             if self.broken is not None:
                 raise self.broken
@@ -333,7 +334,9 @@ class Transport:
             if pr.error is not None:
                 raise pr.error
             return
+        assert pr.src is not None
         peer = self.peers[pr.src]
+        assert peer is not None
         with self._lock:
             try:
                 peer.coll_posted.remove(pr)
@@ -410,6 +413,7 @@ class Transport:
             found: Optional[tuple[_Peer, _Stashed]] = None
             if src is not None:
                 peer = self.peers[src]
+                assert peer is not None  # never this rank
                 for stashed in peer.p2p_stash:
                     if stashed.tag == tag:
                         found = (peer, stashed)
@@ -532,7 +536,7 @@ class Transport:
                         done.source = peer.rank
                     done.finish()
                 elif kind == ABORT:
-                    self.fail(self._abort_error(peer, bytes(target)), notify=False)
+                    self.fail(self._abort_error(peer, bytes(target or b"")), notify=False)
                 elif kind == BYE:
                     peer.said_bye = True
         except _EOF:

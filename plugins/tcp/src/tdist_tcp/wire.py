@@ -137,7 +137,7 @@ def byte_view(flat: "torch.Tensor") -> memoryview:
         if len(_array_types) > 4096:
             _array_types.clear()
         array_type = _array_types[nbytes] = ctypes.c_ubyte * nbytes
-    array = array_type.from_address(flat.data_ptr())
+    array: Any = array_type.from_address(flat.data_ptr())
     array.tensor = flat  # the memoryview keeps the array alive, the array the tensor
     return memoryview(array).cast("B")
 
