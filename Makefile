@@ -31,11 +31,13 @@ $(STAMP): Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 test: venv lint
 	$(PY) -m pytest -q
 
-# Static checks, part of `make test` (and so of CI): ruff's lint rules and mypy (pyproject.toml).
+# Static checks, part of `make test` (and so of CI): ruff's lint rules and formatting, and mypy
+# (settings in pyproject.toml). `ruff format core plugins tests examples` fixes the formatting.
 MYPY_PATHS := core/src/tdist core/src/tdist_autoload plugins/debug/src/tdist_debug \
               plugins/tcp/src/tdist_tcp plugins/gloo/src/tdist_gloo plugins/mpi/src/tdist_mpi plugins/nccl/src/tdist_nccl
 lint: venv
 	$(VENV)/bin/ruff check core plugins tests examples
+	$(VENV)/bin/ruff format --check core plugins tests examples
 	$(VENV)/bin/mypy $(MYPY_PATHS)
 
 demo: venv

@@ -146,8 +146,10 @@ def main() -> int:
         return 0
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=init_process, args=(r, args.world_size, args.backend, port, args.epochs))
-             for r in range(args.world_size)]
+    procs = [
+        ctx.Process(target=init_process, args=(r, args.world_size, args.backend, port, args.epochs))
+        for r in range(args.world_size)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -42,8 +42,10 @@ def synthetic_dataset(samples: int, features: int, classes: int, seed: int = 0) 
 
 def make_model(features: int, hidden: int, classes: int) -> nn.Module:
     return nn.Sequential(
-        nn.Linear(features, hidden), nn.ReLU(),
-        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(features, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
         nn.Linear(hidden, classes),
     )
 
@@ -98,10 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--bucket-cap-mb", type=float, default=0.05,
-                        help="DDP bucket size (small here, to show several overlapping buckets)")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                        help="set by the launcher (unused: CPU training)")
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=0.05,
+        help="DDP bucket size (small here, to show several overlapping buckets)",
+    )
+    parser.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        default=int(os.environ.get("LOCAL_RANK", 0)),
+        help="set by the launcher (unused: CPU training)",
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -115,14 +126,17 @@ def main(argv: list[str] | None = None) -> int:
 
     x, y = synthetic_dataset(args.samples, args.features, args.classes)
     torch.manual_seed(rank)  # different initial weights per rank: DDP broadcasts rank 0's
-    model = DistributedDataParallel(make_model(args.features, args.hidden, args.classes),
-                                    bucket_cap_mb=args.bucket_cap_mb)
+    model = DistributedDataParallel(
+        make_model(args.features, args.hidden, args.classes), bucket_cap_mb=args.bucket_cap_mb
+    )
     optimizer = SGD(model.parameters(), lr=args.lr, momentum=0.9)
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"training a {n_params:,}-parameter MLP on {args.samples} samples, {world_size} ranks "
-              f"({args.backend} backend), global batch {args.batch_size}, {len(model._buckets)} gradient buckets",
-              flush=True)
+        print(
+            f"training a {n_params:,}-parameter MLP on {args.samples} samples, {world_size} ranks "
+            f"({args.backend} backend), global batch {args.batch_size}, {len(model._buckets)} gradient buckets",
+            flush=True,
+        )
 
     history = []
     train_start = time.perf_counter()
@@ -141,15 +155,18 @@ def main(argv: list[str] | None = None) -> int:
             loss = F.cross_entropy(output, target)
             loss.backward()  # gradients are averaged across the ranks during backward
             optimizer.step()
-            totals += torch.tensor([loss.item() * len(idx), (output.argmax(1) == target).sum().item(), len(idx)],
-                                   dtype=torch.float64)
+            totals += torch.tensor(
+                [loss.item() * len(idx), (output.argmax(1) == target).sum().item(), len(idx)], dtype=torch.float64
+            )
             steps += 1
         local_loss = (totals[0] / totals[2]).item()
         dist.all_reduce(totals)  # global loss and accuracy of the epoch
         epoch_seconds = time.perf_counter() - epoch_start
         history.append((epoch + 1, (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(), epoch_seconds))
-        print(f"epoch {epoch + 1}/{args.epochs}: {steps} steps, local loss {local_loss:.4f}, "
-              f"{epoch_seconds:.2f} s", flush=True)
+        print(
+            f"epoch {epoch + 1}/{args.epochs}: {steps} steps, local loss {local_loss:.4f}, {epoch_seconds:.2f} s",
+            flush=True,
+        )
     train_seconds = time.perf_counter() - train_start
 
     # Communication counters, summed over the ranks; and a check that the replicas agree.
@@ -169,15 +186,22 @@ def main(argv: list[str] | None = None) -> int:
         for epoch, loss, accuracy, seconds in history:
             print(f"  {epoch:5d}   {loss:.4f}   {accuracy:7.2%}   {seconds:5.2f} s", flush=True)
         samples_seen = args.epochs * (args.samples - args.samples % args.batch_size)
-        print(f"  wall time: {time.perf_counter() - _PROCESS_START:.2f} s (imports {start - _PROCESS_START:.2f} s, "
-              f"init {init_seconds:.2f} s, setup {setup_seconds:.2f} s, training "
-              f"{train_seconds:.2f} s, {samples_seen / train_seconds:,.0f} samples/s)", flush=True)
-        print(f"  all-reduced gradients: {fmt_bytes(stats.allreduce_bytes)} on rank 0 in {stats.allreduce_calls} "
-              f"bucket all-reduces ({stats.sync_steps} steps); {fmt_bytes(counters[0].item())} over all "
-              f"{world_size} ranks; mean wait at end of backward {counters[2].item() / world_size / max(stats.sync_steps, 1) * 1e3:.2f} ms/step",
-              flush=True)
-        print(f"  replicas identical: {'yes' if drift.item() == 0 else 'NO'} (max |param - rank 0's| = {drift.item():g})",
-              flush=True)
+        print(
+            f"  wall time: {time.perf_counter() - _PROCESS_START:.2f} s (imports {start - _PROCESS_START:.2f} s, "
+            f"init {init_seconds:.2f} s, setup {setup_seconds:.2f} s, training "
+            f"{train_seconds:.2f} s, {samples_seen / train_seconds:,.0f} samples/s)",
+            flush=True,
+        )
+        print(
+            f"  all-reduced gradients: {fmt_bytes(stats.allreduce_bytes)} on rank 0 in {stats.allreduce_calls} "
+            f"bucket all-reduces ({stats.sync_steps} steps); {fmt_bytes(counters[0].item())} over all "
+            f"{world_size} ranks; mean wait at end of backward {counters[2].item() / world_size / max(stats.sync_steps, 1) * 1e3:.2f} ms/step",
+            flush=True,
+        )
+        print(
+            f"  replicas identical: {'yes' if drift.item() == 0 else 'NO'} (max |param - rank 0's| = {drift.item():g})",
+            flush=True,
+        )
     dist.destroy_process_group()
     return 0 if drift.item() <= 1e-3 else 1
 

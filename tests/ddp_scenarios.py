@@ -25,7 +25,9 @@ FEATURES = 8
 
 
 # --------------------------------------------------------------------------- models and data
-def batch(step: int, size: int = BATCH, features: int = FEATURES, outputs: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    step: int, size: int = BATCH, features: int = FEATURES, outputs: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     return torch.randn(size, features, generator=gen), torch.randn(size, outputs, generator=gen)
 
@@ -162,9 +164,7 @@ def scenario_equivalence(dist, DDP, rank: int, world_size: int, **ddp_kwargs) ->
     model = mlp()
     ddp = DDP(model, **ddp_kwargs)
     _train(ddp, rank, world_size)
-    views = all(
-        p.grad is not None and p.grad.data_ptr() != 0 and p.grad._base is not None for p in model.parameters()
-    )
+    views = all(p.grad is not None and p.grad.data_ptr() != 0 and p.grad._base is not None for p in model.parameters())
     return {"params": params_of(model), "buckets": len(ddp._buckets), "stats": ddp.stats.as_dict(), "grad_views": views}
 
 
@@ -240,8 +240,11 @@ def scenario_buffers(dist, DDP, rank: int, world_size: int) -> dict:
         with torch.no_grad():
             for _ in range(3):
                 ddp(shard(x, rank, world_size))
-        result[broadcast_buffers] = {"init": after_init, "count": model.count.clone(),
-                                     "state_keys": sorted(ddp.state_dict())}
+        result[broadcast_buffers] = {
+            "init": after_init,
+            "count": model.count.clone(),
+            "state_keys": sorted(ddp.state_dict()),
+        }
     return result
 
 
@@ -292,11 +295,15 @@ def scenario_custom_hook(dist, DDP, rank: int, world_size: int) -> dict:
 
     def hook(state, bucket):
         grads, params = bucket.gradients(), bucket.parameters()
-        state.append({
-            "index": bucket.index(), "is_last": bucket.is_last(), "numel": bucket.buffer().numel(),
-            "shapes_match": [tuple(g.shape) for g in grads] == [tuple(p.shape) for p in params],
-            "views": all(g.data_ptr() >= bucket.buffer().data_ptr() for g in grads),
-        })
+        state.append(
+            {
+                "index": bucket.index(),
+                "is_last": bucket.is_last(),
+                "numel": bucket.buffer().numel(),
+                "shapes_match": [tuple(g.shape) for g in grads] == [tuple(p.shape) for p in params],
+                "views": all(g.data_ptr() >= bucket.buffer().data_ptr() for g in grads),
+            }
+        )
         total = bucket.buffer().clone()
         work = dist.all_reduce(total, async_op=True)
         return work.get_future().then(lambda fut: [fut.value()[0] / world_size])
@@ -322,8 +329,10 @@ def scenario_failing_hook(dist, DDP, rank: int, world_size: int) -> dict:
         calls.append(bucket.index())
         if len(calls) == 1:
             raise ValueError("hook refused bucket")
-        return dist.all_reduce(bucket.buffer().div_(world_size), async_op=True).get_future().then(
-            lambda _: bucket.buffer()
+        return (
+            dist.all_reduce(bucket.buffer().div_(world_size), async_op=True)
+            .get_future()
+            .then(lambda _: bucket.buffer())
         )
 
     ddp.register_comm_hook(None, hook)

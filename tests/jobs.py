@@ -63,8 +63,13 @@ def run_job(
         for cmd, env in zip(commands, envs):
             procs.append(
                 subprocess.Popen(
-                    list(cmd), env=dict(env), cwd=cwd or ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    start_new_session=True, text=True,
+                    list(cmd),
+                    env=dict(env),
+                    cwd=cwd or ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    text=True,
                 )
             )
         deadline = time.monotonic() + timeout
@@ -81,7 +86,9 @@ def run_job(
         if timed_out:
             for proc in procs:
                 kill_session(proc.pid)
-            details = "\n".join(f"--- process {i} (rc {r.returncode})\n{r.stdout}\n{r.stderr[-3000:]}" for i, r in enumerate(outputs))
+            details = "\n".join(
+                f"--- process {i} (rc {r.returncode})\n{r.stdout}\n{r.stderr[-3000:]}" for i, r in enumerate(outputs)
+            )
             raise TimeoutError(f"job did not finish within {timeout:g} s\n{details}")
         return outputs
     finally:
@@ -96,8 +103,14 @@ def python_job(script_args: Sequence[str], world_size: int, timeout: float, **en
     MASTER_ADDR/MASTER_PORT set as a launcher would."""
     port = str(free_port())
     envs = [
-        base_env(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=port, **env_extra)
+        base_env(
+            RANK=str(r),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            **env_extra,
+        )
         for r in range(world_size)
     ]
     return run_job([[sys.executable, *script_args]] * world_size, envs, timeout)

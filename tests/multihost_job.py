@@ -54,7 +54,7 @@ def udp_sockets_on(port: int) -> int:
     for fd in glob.glob("/proc/self/fd/*"):
         with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
             links.add(os.readlink(fd))
-    mine = {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
+    mine = {link[len("socket:[") : -1] for link in links if link.startswith("socket:[")}
     count = 0
     for table in ("/proc/net/udp", "/proc/net/udp6"):
         with open(table) as f:
@@ -87,12 +87,19 @@ def main() -> int:
             dist.destroy_process_group()
         url, _, group_name = (init_method or "").partition("#")
         started = time.perf_counter()
-        dist.init_process_group(args.backend, init_method=url or None, group_name=group_name,
-                                timeout=timedelta(seconds=args.timeout))
+        dist.init_process_group(
+            args.backend, init_method=url or None, group_name=group_name, timeout=timedelta(seconds=args.timeout)
+        )
         init_seconds = time.perf_counter() - started
         port = urllib.parse.urlsplit(url).port if url.startswith("tcp://") else None
-        check(dist, args.backend, init_method, args.size,
-              init_seconds=init_seconds, udp_open=udp_sockets_on(port) if port else 0)
+        check(
+            dist,
+            args.backend,
+            init_method,
+            args.size,
+            init_seconds=init_seconds,
+            udp_open=udp_sockets_on(port) if port else 0,
+        )
 
     small = torch.ones(16)
     for step in range(args.steps):
@@ -129,11 +136,24 @@ def check(dist, backend: str, init_method, nbytes: int, **extra) -> None:
     uses_shm = None
     if backend == "tcp":
         uses_shm = bool(dist.group.WORLD.backends["cpu"].uses_shm)
-    print("RESULT " + json.dumps({
-        "init_method": init_method, "rank": rank, "world_size": size, "host": host, "hosts": hosts,
-        "reduced_ok": reduced_ok, "rx": after[0] - before[0], "tx": after[1] - before[1], "uses_shm": uses_shm,
-        **extra,
-    }), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "init_method": init_method,
+                "rank": rank,
+                "world_size": size,
+                "host": host,
+                "hosts": hosts,
+                "reduced_ok": reduced_ok,
+                "rx": after[0] - before[0],
+                "tx": after[1] - before[1],
+                "uses_shm": uses_shm,
+                **extra,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

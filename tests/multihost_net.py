@@ -1,17 +1,17 @@
 """Network probes for tests/test_multihost.py, run on the hosts of a simulated cluster.
 
-    python multihost_net.py serve ADDRESS PORT          # echo one byte, count the rest; prints "ready", then the count
-    python multihost_net.py client ADDRESS PORT NBYTES  # JSON: best round trip of 10, seconds to send NBYTES
-    python multihost_net.py mcast-recv GROUP PORT [S]   # prints "ready", then the first datagram's text
-                                                        # ("nothing" if none came within S seconds, default 30)
-    python multihost_net.py mcast-send GROUP PORT TEXT  # sends TEXT to GROUP 20 times, 10 ms apart
-    python multihost_net.py whoami                      # JSON: host name, its address, /dev/shm contents
-    python multihost_net.py mcast-forge GROUP PORT S NAME...  # an attacker on the multicast rendezvous of
-                                                        # group_name NAME...: prints "ready", then JSON
-                                                        # {NAME: offers sent} after S seconds or SIGTERM
-    python multihost_net.py mcast-ghost GROUP PORT NAME N   # a process of job NAME (world size N) that
-                                                        # announces itself until offered a rank, prints
-                                                        # "offered RANK" and dies without taking it
+python multihost_net.py serve ADDRESS PORT          # echo one byte, count the rest; prints "ready", then the count
+python multihost_net.py client ADDRESS PORT NBYTES  # JSON: best round trip of 10, seconds to send NBYTES
+python multihost_net.py mcast-recv GROUP PORT [S]   # prints "ready", then the first datagram's text
+                                                    # ("nothing" if none came within S seconds, default 30)
+python multihost_net.py mcast-send GROUP PORT TEXT  # sends TEXT to GROUP 20 times, 10 ms apart
+python multihost_net.py whoami                      # JSON: host name, its address, /dev/shm contents
+python multihost_net.py mcast-forge GROUP PORT S NAME...  # an attacker on the multicast rendezvous of
+                                                    # group_name NAME...: prints "ready", then JSON
+                                                    # {NAME: offers sent} after S seconds or SIGTERM
+python multihost_net.py mcast-ghost GROUP PORT NAME N   # a process of job NAME (world size N) that
+                                                    # announces itself until offered a rank, prints
+                                                    # "offered RANK" and dies without taking it
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ import tdist as dist
 
 init_method, group, world_size, state = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 rank = int(sys.argv[5]) if len(sys.argv) > 5 else -1
-dist.init_process_group("tcp", init_method=init_method, world_size=world_size, rank=rank, group_name=group,
-                        timeout=timedelta(seconds=60))
+dist.init_process_group(
+    "tcp", init_method=init_method, world_size=world_size, rank=rank, group_name=group, timeout=timedelta(seconds=60)
+)
 me = dist.get_rank()
 t = torch.tensor([float(me + 1)])
 dist.all_reduce(t)

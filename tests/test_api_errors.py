@@ -10,7 +10,6 @@ import torch
 import tdist as dist
 
 
-
 def test_op_before_init_raises():
     with pytest.raises(dist.DistError, match="not initialized"):
         dist.all_reduce(torch.ones(1))
@@ -85,7 +84,9 @@ def test_calls_after_destroy_raise_value_error(module, monkeypatch):
 
 
 def test_unknown_backend_names_installed_and_package():
-    with pytest.raises(dist.DistError, match=r"'nosuch' is not installed \(installed: .*tcp.*\); pip install tdist-nosuch"):
+    with pytest.raises(
+        dist.DistError, match=r"'nosuch' is not installed \(installed: .*tcp.*\); pip install tdist-nosuch"
+    ):
         dist.init_process_group("nosuch", store=dist.HashStore(), rank=0, world_size=1)
 
 
@@ -97,7 +98,10 @@ def test_unknown_backend_names_installed_and_package():
         (dict(rank=0, world_size=0, store=dist.HashStore()), "world_size must be a positive"),
         (dict(init_method="tcp://127.0.0.1", rank=0, world_size=1), "port number missing"),
         (dict(init_method="tcp://:29500", rank=0, world_size=1), "host missing"),
-        (dict(init_method="nosuch://x", rank=0, world_size=1), r"no rendezvous handler for nosuch:// \(installed: env://"),
+        (
+            dict(init_method="nosuch://x", rank=0, world_size=1),
+            r"no rendezvous handler for nosuch:// \(installed: env://",
+        ),
         (dict(init_method="127.0.0.1:29500", rank=0, world_size=1), "no scheme"),
         (dict(init_method="file://", rank=0, world_size=1), "path missing"),
         (dict(init_method="tcp://127.0.0.1:1?rank=x", world_size=1), "not an integer"),
@@ -131,9 +135,15 @@ def _planted(tmp_path, kind: str) -> str:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("kind, message", [("/dev/null", "is a character device"), ("fifo", "is a FIFO"),
-                                           ("directory", "is a directory"),
-                                           ("symlink in a world-writable directory", "symbolic link")])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("/dev/null", "is a character device"),
+        ("fifo", "is a FIFO"),
+        ("directory", "is a directory"),
+        ("symlink in a world-writable directory", "symbolic link"),
+    ],
+)
 @pytest.mark.parametrize("group_name", ["", "job"])
 def test_file_rendezvous_refuses_what_is_not_its_file_at_once(tmp_path, kind, message, group_name):
     import os
@@ -143,8 +153,14 @@ def test_file_rendezvous_refuses_what_is_not_its_file_at_once(tmp_path, kind, me
     path = _planted(tmp_path, kind)
     started = time.monotonic()
     with pytest.raises(ValueError, match=message):
-        dist.init_process_group("tcp", init_method=f"file://{path}", rank=0, world_size=1, group_name=group_name,
-                                timeout=timedelta(seconds=20))
+        dist.init_process_group(
+            "tcp",
+            init_method=f"file://{path}",
+            rank=0,
+            world_size=1,
+            group_name=group_name,
+            timeout=timedelta(seconds=20),
+        )
     assert time.monotonic() - started < 5
     assert not dist.is_initialized()
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode) and not os.path.exists(f"{path}.tdist-lock")
@@ -155,8 +171,14 @@ def test_file_rendezvous_leaves_a_file_that_is_not_a_store_alone(tmp_path, group
     data = tmp_path / "data"
     data.write_text("not a store")
     with pytest.raises(dist.DistStoreError, match="not a tdist FileStore"):
-        dist.init_process_group("tcp", init_method=f"file://{data}", rank=0, world_size=1, group_name=group_name,
-                                timeout=timedelta(seconds=20))
+        dist.init_process_group(
+            "tcp",
+            init_method=f"file://{data}",
+            rank=0,
+            world_size=1,
+            group_name=group_name,
+            timeout=timedelta(seconds=20),
+        )
     assert data.read_text() == "not a store" and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 
@@ -164,14 +186,23 @@ def test_file_rendezvous_follows_a_symlink_in_a_private_directory(tmp_path):
     import os
 
     os.symlink(tmp_path / "store", tmp_path / "link")
-    dist.init_process_group("tcp", init_method=f"file://{tmp_path / 'link'}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=20))
+    dist.init_process_group(
+        "tcp", init_method=f"file://{tmp_path / 'link'}", rank=0, world_size=1, timeout=timedelta(seconds=20)
+    )
     assert (tmp_path / "store").exists()
     dist.destroy_process_group()
 
 
 def test_env_method_names_missing_variable(monkeypatch):
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+    for name in (
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "SLURM_PROCID",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
@@ -227,7 +258,15 @@ def test_bad_arguments_raise_and_world_keeps_working(world1, call, message):
 
 def test_reduce_op_names_and_deprecated_alias():
     assert {op.name for op in dist.ReduceOp} == {
-        "SUM", "PRODUCT", "MAX", "MIN", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM"
+        "SUM",
+        "PRODUCT",
+        "MAX",
+        "MIN",
+        "BAND",
+        "BOR",
+        "BXOR",
+        "AVG",
+        "PREMUL_SUM",
     }
     with pytest.warns(FutureWarning):
         assert dist.reduce_op.SUM is dist.ReduceOp.SUM

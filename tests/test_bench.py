@@ -18,15 +18,38 @@ pytestmark = pytest.mark.timeout(300)
 
 def _run(args, tmp_path, timeout=240):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "tdist.bench", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "tdist.bench", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_smoke_all_reduce_two_ranks(tmp_path):
     out = tmp_path / "r.json"
     csv = tmp_path / "r.csv"
-    proc = _run(["--sizes", "4,1024", "--world-sizes", "2", "--ops", "all_reduce", "--repeats", "2",
-                 "--sample-time", "0.01", "--json", str(out), "--csv", str(csv)], tmp_path)
+    proc = _run(
+        [
+            "--sizes",
+            "4,1024",
+            "--world-sizes",
+            "2",
+            "--ops",
+            "all_reduce",
+            "--repeats",
+            "2",
+            "--sample-time",
+            "0.01",
+            "--json",
+            str(out),
+            "--csv",
+            str(csv),
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "all_reduce, 2 ranks" in proc.stdout
     assert "tcp/gloo" in proc.stdout
@@ -41,8 +64,22 @@ def test_smoke_all_reduce_two_ranks(tmp_path):
 
 
 def test_smoke_every_op_without_mpi(tmp_path):
-    proc = _run(["--sizes", "64", "--world-sizes", "2", "--no-mpi", "--repeats", "1", "--sample-time", "0.005",
-                 "--warmup", "1"], tmp_path)
+    proc = _run(
+        [
+            "--sizes",
+            "64",
+            "--world-sizes",
+            "2",
+            "--no-mpi",
+            "--repeats",
+            "1",
+            "--sample-time",
+            "0.005",
+            "--warmup",
+            "1",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"):
         assert f"{op}, 2 ranks" in proc.stdout
@@ -77,8 +114,23 @@ def test_ddp_mode(tmp_path):
 
 def test_store_mode(tmp_path):
     out = tmp_path / "store.json"
-    proc = _run(["--store", "--store-clients", "2", "--store-ops", "50", "--store-keys", "10", "--repeats", "1",
-                 "--json", str(out)], tmp_path, timeout=200)
+    proc = _run(
+        [
+            "--store",
+            "--store-clients",
+            "2",
+            "--store-ops",
+            "50",
+            "--store-keys",
+            "10",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ],
+        tmp_path,
+        timeout=200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "multi_get of 10 keys" in proc.stdout and "2 clients x 50 add" in proc.stdout
     result = json.loads(out.read_text())["results"][0]
@@ -90,8 +142,13 @@ def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     from tdist.bench.plot import plot
 
-    rows = annotate([{"world": 2, "op": "all_reduce", "bytes": n, "backend": b, "time_s": t}
-                     for n in (4, 1024, 1 << 20) for b, t in (("tcp", 1e-5), ("gloo", 3e-4))])
+    rows = annotate(
+        [
+            {"world": 2, "op": "all_reduce", "bytes": n, "backend": b, "time_s": t}
+            for n in (4, 1024, 1 << 20)
+            for b, t in (("tcp", 1e-5), ("gloo", 3e-4))
+        ]
+    )
     path = tmp_path / "busbw.png"
     plot(str(path), rows, ["tcp", "gloo"])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -101,8 +158,12 @@ def test_report_helpers(tmp_path):
     assert bus_factor("all_reduce", 4) == 1.5
     assert bus_factor("all_gather", 4) == 0.75 and bus_factor("reduce_scatter", 2) == 0.5
     assert bus_factor("all_to_all", 4) == 0.75 and bus_factor("broadcast", 4) == 1.0
-    rows = annotate([{"world": 2, "op": "all_reduce", "bytes": 1 << 20, "backend": "tcp", "time_s": 1e-3},
-                     {"world": 2, "op": "all_reduce", "bytes": 1 << 20, "backend": "gloo", "time_s": 4e-3}])
+    rows = annotate(
+        [
+            {"world": 2, "op": "all_reduce", "bytes": 1 << 20, "backend": "tcp", "time_s": 1e-3},
+            {"world": 2, "op": "all_reduce", "bytes": 1 << 20, "backend": "gloo", "time_s": 4e-3},
+        ]
+    )
     assert rows[0]["busbw_GBps"] == pytest.approx((1 << 20) / 1e-3 / 1e9)
     text = table(rows, ["tcp", "gloo"])
     assert "1 MiB" in text and "0.25x" in text
@@ -114,10 +175,13 @@ def test_report_helpers(tmp_path):
 @pytest.mark.skipif(__import__("shutil").which("openssl") is None, reason="--tls makes its certificates with openssl")
 def test_tls_compares_tcp_with_and_without_tls(tmp_path):
     out = tmp_path / "tls.json"
-    proc = _run(["--tls", "--no-mpi", "--sizes", "64K", "--repeats", "1", "--sample-time", "0.01", "--json", str(out)],
-                tmp_path)
+    proc = _run(
+        ["--tls", "--no-mpi", "--sizes", "64K", "--repeats", "1", "--sample-time", "0.01", "--json", str(out)], tmp_path
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "tcp+tls/tcp" in proc.stdout
     rows = json.loads(out.read_text())["results"]
     assert {(r["backend"], r["op"], r["bytes"], r["world"]) for r in rows} == {
-        ("tcp", "all_reduce", 65536, 2), ("tcp+tls", "all_reduce", 65536, 2)}
+        ("tcp", "all_reduce", 65536, 2),
+        ("tcp+tls", "all_reduce", 65536, 2),
+    }

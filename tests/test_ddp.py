@@ -198,10 +198,25 @@ def test_needs_an_initialized_process_group():
 @pytest.mark.timeout(120)
 def test_train_example_under_tdistrun():
     """examples/train.py (the demo), small, launched by the launcher as `make demo` does."""
-    cmd = [sys.executable, "-m", "tdist.launch", "--nproc_per_node", "2", "--grace_period", "2",
-           os.path.join(ROOT, "examples", "train.py"), "--backend", "tcp", "--epochs", "2", "--samples", "1024"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(),
-                            cwd=ROOT, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tdist.launch",
+        "--nproc_per_node",
+        "2",
+        "--grace_period",
+        "2",
+        os.path.join(ROOT, "examples", "train.py"),
+        "--backend",
+        "tcp",
+        "--epochs",
+        "2",
+        "--samples",
+        "1024",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(), cwd=ROOT, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=100)
     finally:

@@ -43,8 +43,11 @@ def _signature(fn) -> str:
 
 
 def _hook_specs() -> dict:
-    specs = {name: fn for name, fn in vars(hookspecs).items()
-             if name.startswith("tdist_") and callable(fn) and hasattr(fn, f"{hookspecs.PROJECT_NAME}_spec")}
+    specs = {
+        name: fn
+        for name, fn in vars(hookspecs).items()
+        if name.startswith("tdist_") and callable(fn) and hasattr(fn, f"{hookspecs.PROJECT_NAME}_spec")
+    }
     assert specs, "no hook spec found in tdist.hookspecs"
     return specs
 
@@ -64,9 +67,12 @@ def _public_methods(cls: type) -> list[str]:
     return sorted(n for n, v in vars(cls).items() if callable(v) and (not n.startswith("_") or n == "__init__"))
 
 
-@pytest.mark.parametrize("cls, name", [(tdist.Backend, n) for n in sorted(tdist.Backend.__abstractmethods__)]
-                         + [(tdist.Store, n) for n in _public_methods(tdist.Store)],
-                         ids=lambda v: getattr(v, "__name__", v))
+@pytest.mark.parametrize(
+    "cls, name",
+    [(tdist.Backend, n) for n in sorted(tdist.Backend.__abstractmethods__)]
+    + [(tdist.Store, n) for n in _public_methods(tdist.Store)],
+    ids=lambda v: getattr(v, "__name__", v),
+)
 def test_abstract_method_documented_with_its_signature(cls, name):
     expected = f"def {name}{_signature(getattr(cls, name))}"
     assert expected in _guide(), f"{cls.__name__}.{name}: the author's guide does not show `{expected}`"
@@ -126,8 +132,21 @@ def test_docs_build_strict(tmp_path):
             pytest.skip(f"{module} is not installed (make docs installs the documentation tools)")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(DOCS / "mkdocs.yml"), "-d", str(tmp_path / "site")],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-f",
+            str(DOCS / "mkdocs.yml"),
+            "-d",
+            str(tmp_path / "site"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert (tmp_path / "site" / "plugins" / "hooks" / "index.html").is_file()

@@ -117,8 +117,19 @@ RANK_VARIABLES = [v for rank_var, size_var, _ in LAUNCHER_VARIABLES.values() for
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_ID", "TORCHELASTIC_USE_AGENT_STORE",
-                 "TDIST_STORE_ADDR", "TDIST_STORE_PORT", "TDIST_STORE_PREFIX", "TDIST_STORE_TOKEN", *RANK_VARIABLES):
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_STEP_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TDIST_STORE_ADDR",
+        "TDIST_STORE_PORT",
+        "TDIST_STORE_PREFIX",
+        "TDIST_STORE_TOKEN",
+        *RANK_VARIABLES,
+    ):
         monkeypatch.delenv(name, raising=False)
     yield monkeypatch
     if tdist.is_initialized():

@@ -65,14 +65,16 @@ def test_controller_refuses_an_impostor_before_unpickling(tmp_path):
     address_file, go = tmp_path / "controller", tmp_path / "go"
     # The worker waits (in sitecustomize, before tdist starts) until the impostors are done,
     # so that the controller certainly reads their connections first.
-    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent(f"""
         import os, time
         if "TDIST_TESTING_CONTROLLER" in os.environ:
             open({str(address_file)!r}, "w").write(os.environ["TDIST_TESTING_CONTROLLER"])
             deadline = time.monotonic() + 60
             while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
                 time.sleep(0.05)
-    """))
+    """)
+    )
     world = World("tcp", 1, init=False, start_timeout=90, env={"PYTHONPATH": str(tmp_path)})
     starter = threading.Thread(target=world.start, daemon=True)
     starter.start()
@@ -95,10 +97,17 @@ def test_worker_refuses_a_controller_that_does_not_know_the_token(tmp_path):
     marker = tmp_path / "code-ran"
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        env = base_env(TDIST_TESTING_CONTROLLER=f"127.0.0.1:{port}", TDIST_TESTING_TOKEN="the-secret", RANK="0",
-                       WORLD_SIZE="1")
-        proc = subprocess.Popen([sys.executable, "-m", "tdist.testing._worker"], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        env = base_env(
+            TDIST_TESTING_CONTROLLER=f"127.0.0.1:{port}", TDIST_TESTING_TOKEN="the-secret", RANK="0", WORLD_SIZE="1"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tdist.testing._worker"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             server.settimeout(60)
             conn, _ = server.accept()

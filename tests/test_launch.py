@@ -26,8 +26,19 @@ pytestmark = pytest.mark.timeout(90)
 
 LAUNCH = [sys.executable, "-m", "tdist.launch"]
 TDISTRUN = [sys.executable, "-c", "import sys; from tdist.launch import main; sys.exit(main())"]
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TDIST_STORE_PREFIX")
+ENV_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TDIST_STORE_PREFIX",
+)
 
 REPORT = """
 import json, os, sys
@@ -44,8 +55,13 @@ def write(tmp_path: Path, name: str, code: str) -> str:
 def launch(args, timeout: float = 60, env=None, cwd=None, launcher=LAUNCH) -> subprocess.CompletedProcess:
     """Run the launcher to completion; kill its whole session on timeout."""
     proc = subprocess.Popen(
-        [*launcher, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env or base_env(), cwd=cwd, start_new_session=True,
+        [*launcher, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or base_env(),
+        cwd=cwd,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -64,7 +80,7 @@ def reports(stdout: str) -> dict[int, dict]:
     for line in stdout.splitlines():
         assert line.startswith("[rank "), f"unprefixed line: {line!r}"
         prefix, _, payload = line.partition("] ")
-        found[int(prefix[len("[rank "):])] = json.loads(payload)
+        found[int(prefix[len("[rank ") :])] = json.loads(payload)
     return found
 
 
@@ -76,7 +92,9 @@ def wait_for_lines(path: Path, count: int, timeout: float = 30) -> list[str]:
             if len(lines) >= count:
                 return lines
         time.sleep(0.05)
-    raise AssertionError(f"{path}: expected {count} lines within {timeout} s, got {path.read_text() if path.exists() else 'no file'}")
+    raise AssertionError(
+        f"{path}: expected {count} lines within {timeout} s, got {path.read_text() if path.exists() else 'no file'}"
+    )
 
 
 def all_dead(pids, timeout: float = 10) -> bool:
@@ -141,8 +159,24 @@ def test_two_nodes_static_rendezvous(tmp_path):
     which node 0's agent holds from its start; ranks follow --node-rank."""
     script = write(tmp_path, "report.py", REPORT)
     port = str(free_port())
-    commands = [[*LAUNCH, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2", "--master_addr",
-                 "127.0.0.1", "--master_port", port, "--use_env", script] for node in (0, 1)]
+    commands = [
+        [
+            *LAUNCH,
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node),
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+            "--use_env",
+            script,
+        ]
+        for node in (0, 1)
+    ]
     found = {}
     for node, res in enumerate(run_job(commands, [base_env()] * 2, timeout=60)):
         assert res.returncode == 0, res.stderr
@@ -176,8 +210,11 @@ def test_run_path_and_nproc_per_node_auto(tmp_path):
     from torch.distributed.run import determine_local_world_size
 
     script = write(tmp_path, "report.py", REPORT)
-    res = launch(["--nproc-per-node", "auto", "--run-path", script, "z"], launcher=TDISTRUN,
-                 env=base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    res = launch(
+        ["--nproc-per-node", "auto", "--run-path", script, "z"],
+        launcher=TDISTRUN,
+        env=base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+    )
     assert res.returncode == 0, res.stderr
     found = reports(res.stdout)
     assert sorted(found) == list(range(determine_local_world_size("auto")))
@@ -192,17 +229,20 @@ def test_bad_arguments_fail_before_starting_anything():
     assert res.stdout == ""
 
 
-@pytest.mark.parametrize("options,message", [
-    (["--nnodes", "2", "--node_rank", "2"], "--node_rank 2 is out of range"),
-    (["--nnodes", "2:1"], "need 0 < MIN <= MAX"),
-    (["--nnodes", "1:2:3"], "must be N or MIN:MAX"),
-    (["--nproc-per-node", "0"], "must be at least 1"),
-    (["--redirects", "7"], "--redirects '7'"),
-    (["--local-ranks-filter", "0,x"], "--local-ranks-filter must be local ranks"),
-    (["--use-env", "--local-rank-arg", "local-rank"], "contradict"),
-    (["--max-restarts", "-1"], "must not be negative"),
-    (["--no-python", "-m"], "cannot be used together"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (["--nnodes", "2", "--node_rank", "2"], "--node_rank 2 is out of range"),
+        (["--nnodes", "2:1"], "need 0 < MIN <= MAX"),
+        (["--nnodes", "1:2:3"], "must be N or MIN:MAX"),
+        (["--nproc-per-node", "0"], "must be at least 1"),
+        (["--redirects", "7"], "--redirects '7'"),
+        (["--local-ranks-filter", "0,x"], "--local-ranks-filter must be local ranks"),
+        (["--use-env", "--local-rank-arg", "local-rank"], "contradict"),
+        (["--max-restarts", "-1"], "must not be negative"),
+        (["--no-python", "-m"], "cannot be used together"),
+    ],
+)
 def test_bad_options_are_refused(options, message, capsys):
     from tdist.launch import parse_args
 
@@ -222,14 +262,18 @@ def test_option_spellings():
 
 # --------------------------------------------------------------------------- output
 def test_prefixes_stdout_and_stderr_lines(tmp_path):
-    script = write(tmp_path, "talk.py", """
+    script = write(
+        tmp_path,
+        "talk.py",
+        """
         import os, sys
         rank = os.environ["RANK"]
         for i in range(3):
             print(f"out {i} from {rank}")
         print(f"err from {rank}", file=sys.stderr)
         sys.stdout.write("no newline at the end")
-    """)
+    """,
+    )
     res = launch(["--nproc_per_node", "2", script])
     assert res.returncode == 0, res.stderr
     for rank in (0, 1):
@@ -241,11 +285,15 @@ def test_prefixes_stdout_and_stderr_lines(tmp_path):
 
 
 def test_no_prefix(tmp_path):
-    script = write(tmp_path, "talk.py", """
+    script = write(
+        tmp_path,
+        "talk.py",
+        """
         import os, sys
         sys.stdout.write("plain out %s\\n" % os.environ["RANK"])
         sys.stderr.write("plain err %s\\n" % os.environ["RANK"])
-    """)
+    """,
+    )
     res = launch(["--nproc_per_node", "2", "--no_prefix", script])
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == ["plain out 0", "plain out 1"]
@@ -381,8 +429,9 @@ def test_failing_worker_stops_the_others_and_its_code_propagates(tmp_path):
     script = write(tmp_path, "sleeper.py", SLEEPER)
     pids_file = tmp_path / "pids"
     start = time.monotonic()
-    res = launch(["--nproc_per_node", "3", "--grace-period", "2", "--use_env", script, "--fail", "--child",
-                  str(pids_file)])
+    res = launch(
+        ["--nproc_per_node", "3", "--grace-period", "2", "--use_env", script, "--fail", "--child", str(pids_file)]
+    )
     elapsed = time.monotonic() - start
     assert res.returncode == 3, res.stderr
     assert "rank 1" in res.stderr and "exit code 3" in res.stderr
@@ -397,8 +446,9 @@ def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
     script = write(tmp_path, "sleeper.py", SLEEPER)
     pids_file = tmp_path / "pids"
     start = time.monotonic()
-    res = launch(["--nproc_per_node", "2", "--grace_period", "1", "--use_env", script, "--fail", "--ignore-term",
-                  str(pids_file)])
+    res = launch(
+        ["--nproc_per_node", "2", "--grace_period", "1", "--use_env", script, "--fail", "--ignore-term", str(pids_file)]
+    )
     assert res.returncode == 3
     assert "SIGKILL" in res.stderr and "rank(s) [0]" in res.stderr
     assert time.monotonic() - start < 30
@@ -407,8 +457,9 @@ def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
 
 def test_worker_killed_by_a_signal(tmp_path):
     script = write(tmp_path, "sleeper.py", SLEEPER)
-    res = launch(["--nproc_per_node", "2", "--grace_period", "1", "--use_env", script, "--kill-self",
-                  str(tmp_path / "pids")])
+    res = launch(
+        ["--nproc_per_node", "2", "--grace_period", "1", "--use_env", script, "--kill-self", str(tmp_path / "pids")]
+    )
     assert res.returncode == 128 + signal.SIGKILL
     assert "rank 1" in res.stderr and "SIGKILL" in res.stderr
 
@@ -417,9 +468,24 @@ def _start_and_wait(tmp_path, extra, count):
     script = write(tmp_path, "sleeper.py", SLEEPER)
     pids_file = tmp_path / "pids"
     proc = subprocess.Popen(
-        [*LAUNCH, "--nproc_per_node", "2", "--grace_period", "3", "--log-dir", str(tmp_path / "logs"), "--use_env",
-         script, *extra, str(pids_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(), start_new_session=True,
+        [
+            *LAUNCH,
+            "--nproc_per_node",
+            "2",
+            "--grace_period",
+            "3",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--use_env",
+            script,
+            *extra,
+            str(pids_file),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=base_env(),
+        start_new_session=True,
     )
     try:
         pids = [int(p) for p in wait_for_lines(pids_file, count)]
@@ -463,8 +529,13 @@ def test_tdistrun_console_script(tmp_path):
     if not tdistrun.exists():
         pytest.skip("tdistrun is not installed (pip install -e core)")
     script = write(tmp_path, "report.py", REPORT)
-    res = subprocess.run([str(tdistrun), "--nproc_per_node", "2", script, "w"], capture_output=True, text=True,
-                         env=base_env(), timeout=60)
+    res = subprocess.run(
+        [str(tdistrun), "--nproc_per_node", "2", script, "w"],
+        capture_output=True,
+        text=True,
+        env=base_env(),
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     found = reports(res.stdout)
     assert sorted(found) == [0, 1]

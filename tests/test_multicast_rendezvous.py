@@ -55,11 +55,20 @@ def test_datagrams_are_authenticated_and_kept_per_group():
 
 def test_rank_table():
     """Given ranks are kept; the others fill the free ranks host by host (by address)."""
-    peers = [Peer(b"\x09" * 16, "10.0.0.2", "b", -1, 5), Peer(b"\x01" * 16, "10.0.0.10", "c", -1, 5),
-             Peer(b"\x05" * 16, "10.0.0.2", "b", 0, 5), Peer(b"\x02" * 16, "10.0.0.2", "b", -1, 5),
-             Peer(b"\x03" * 16, "10.0.0.1", "a", 4, 5)]
-    assert assign_ranks(peers, 5) == {b"\x05" * 16: 0, b"\x03" * 16: 4, b"\x02" * 16: 1, b"\x09" * 16: 2,
-                                      b"\x01" * 16: 3}
+    peers = [
+        Peer(b"\x09" * 16, "10.0.0.2", "b", -1, 5),
+        Peer(b"\x01" * 16, "10.0.0.10", "c", -1, 5),
+        Peer(b"\x05" * 16, "10.0.0.2", "b", 0, 5),
+        Peer(b"\x02" * 16, "10.0.0.2", "b", -1, 5),
+        Peer(b"\x03" * 16, "10.0.0.1", "a", 4, 5),
+    ]
+    assert assign_ranks(peers, 5) == {
+        b"\x05" * 16: 0,
+        b"\x03" * 16: 4,
+        b"\x02" * 16: 1,
+        b"\x09" * 16: 2,
+        b"\x01" * 16: 3,
+    }
 
 
 def test_options(monkeypatch):
@@ -100,9 +109,18 @@ def test_argument_errors(monkeypatch):
 # ------------------------------------------------------------------ real processes across hosts
 def launch(placements, timeout: float = JOB_TIMEOUT, **popen) -> list:
     """Start ``(host, job arguments, environment)`` each, output captured; killed after ``timeout``."""
-    return [host.popen([sys.executable, JOB, "--backend", "tcp", *args], env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, text=True, timeout=timeout, **popen)
-            for host, args, env in placements]
+    return [
+        host.popen(
+            [sys.executable, JOB, "--backend", "tcp", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=timeout,
+            **popen,
+        )
+        for host, args, env in placements
+    ]
 
 
 def failures(procs) -> list[str]:
@@ -128,11 +146,21 @@ def test_jobs_across_hosts(tdist_cluster):
 
     def job(world_size: int, group: str, rank: str = "") -> list[str]:
         query = f"?world_size={world_size}{rank}#{group}"
-        return ["--size", str(SIZE), "--init-method", f"tcp://{GROUP4}:{PORT}{query}",
-                "--init-method", f"tcp://[{GROUP6}]:{PORT}{query}"]
+        return [
+            "--size",
+            str(SIZE),
+            "--init-method",
+            f"tcp://{GROUP4}:{PORT}{query}",
+            "--init-method",
+            f"tcp://[{GROUP6}]:{PORT}{query}",
+        ]
 
-    ghost = h1.popen([sys.executable, NET, "mcast-ghost", GROUP4, str(PORT), "b", "3"], stdout=subprocess.PIPE,
-                     text=True, timeout=JOB_TIMEOUT)
+    ghost = h1.popen(
+        [sys.executable, NET, "mcast-ghost", GROUP4, str(PORT), "b", "3"],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=JOB_TIMEOUT,
+    )
     job_a = launch([(host, job(4, "a"), base_env()) for host in (h0, h0, h1, h1)])
     options = base_env(TDIST_MULTICAST_INTERFACE="eth0", TDIST_MULTICAST_TTL="2")  # interface by name
     job_b = launch([(host, job(3, "b", f"&rank={1 - host.index}"), options) for host in (h0, h1)])
@@ -165,8 +193,12 @@ def test_attacks_and_failures(tdist_cluster):
     whose switch drops multicast, each host's process times out having found only itself."""
     h0, h1, h2 = tdist_cluster
     url = f"tcp://{GROUP4}:{PORT}"
-    forger = h1.popen([sys.executable, NET, "mcast-forge", GROUP4, str(PORT), "60", "secure", "open"],
-                      stdout=subprocess.PIPE, text=True, timeout=JOB_TIMEOUT)
+    forger = h1.popen(
+        [sys.executable, NET, "mcast-forge", GROUP4, str(PORT), "60", "secure", "open"],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=JOB_TIMEOUT,
+    )
     h2.run(["ip", "route", "del", "224.0.0.0/4"], check=True)
 
     def job(init: str, timeout: float = 30) -> list[str]:
@@ -176,8 +208,12 @@ def test_attacks_and_failures(tdist_cluster):
         unheard = launch([(host, job(f"{url}?world_size=2", timeout=3), base_env()) for host in deaf])
         assert forger.stdout.readline().strip() == "ready"
         token = base_env(TDIST_STORE_TOKEN="multicast-test-token")
-        secure = launch([(host, job(f"{url}?world_size=2&interface={host.address}#secure"), token)  # by address
-                         for host in (h0, h1)])
+        secure = launch(
+            [
+                (host, job(f"{url}?world_size=2&interface={host.address}#secure"), token)  # by address
+                for host in (h0, h1)
+            ]
+        )
         hijacked = launch([(host, job(f"{url}?world_size=2#open"), base_env()) for host in (h0, h1)])
         lonely = launch([(h0, job(f"{url}?world_size=3#lonely", timeout=3), base_env())])
         twice = launch([(host, job(f"{url}?world_size=2&rank=1#twice"), base_env()) for host in (h0, h1)])
@@ -185,23 +221,37 @@ def test_attacks_and_failures(tdist_cluster):
 
         secured = job_results([out for _, out, _ in finish(secure)])
         assert [(r["rank"], r["host"], r["reduced_ok"], r["udp_open"]) for r in secured] == [
-            (0, h0.hostname, True, 0), (1, h1.hostname, True, 0)], secured
+            (0, h0.hostname, True, 0),
+            (1, h1.hostname, True, 0),
+        ], secured
         for err in failures(hijacked):
-            assert re.search(rf"the store at {re.escape(h1.address)}:\d+ offered rank 0 but gave it to another "
-                             r"process|3 processes \(.*forger.*\) announce this group but world_size is 2",
-                             err), err[-3000:]
+            assert re.search(
+                rf"the store at {re.escape(h1.address)}:\d+ offered rank 0 but gave it to another "
+                r"process|3 processes \(.*forger.*\) announce this group but world_size is 2",
+                err,
+            ), err[-3000:]
         (err,) = failures(lonely)
-        assert re.search(rf"found 1 of 3 processes within 3 s \(1 on {h0.hostname} \({h0.address}\)\)\. .*"
-                         "No process on another host was heard", err), err[-3000:]
+        assert re.search(
+            rf"found 1 of 3 processes within 3 s \(1 on {h0.hostname} \({h0.address}\)\)\. .*"
+            "No process on another host was heard",
+            err,
+        ), err[-3000:]
         for err in failures(twice):
-            assert re.search(rf"rank 1 is given to 2 processes \(on {h0.hostname} .*, {h1.hostname} .*\)",
-                             err), err[-3000:]
+            assert re.search(rf"rank 1 is given to 2 processes \(on {h0.hostname} .*, {h1.hostname} .*\)", err), err[
+                -3000:
+            ]
         (err,) = failures(unrouted)
-        assert re.search(rf"DistNetworkError: .*cannot join {GROUP4}:{PORT}: .*No such device.*no route for "
-                         "multicast", err), err[-3000:]
+        assert re.search(
+            rf"DistNetworkError: .*cannot join {GROUP4}:{PORT}: .*No such device.*no route for "
+            "multicast",
+            err,
+        ), err[-3000:]
         forger.terminate()
         offers = json.loads(forger.communicate(timeout=30)[0])
         assert offers["secure"] >= 2 and offers["open"] >= 2, offers  # it answered every real process
         for host, err in zip(deaf, failures(unheard)):
-            assert re.search(rf"found 1 of 2 processes within 3 s \(1 on {host.hostname} \({host.address}\)\)\. "
-                             ".*does the network between the hosts carry multicast", err), err[-3000:]
+            assert re.search(
+                rf"found 1 of 2 processes within 3 s \(1 on {host.hostname} \({host.address}\)\)\. "
+                ".*does the network between the hosts carry multicast",
+                err,
+            ), err[-3000:]

@@ -51,8 +51,10 @@ def tdistrun() -> str:
 def start(cluster: Cluster, commands: Sequence[Sequence[str]], envs: Sequence[dict] = (), timeout: float = JOB_TIMEOUT):
     """Start ``commands[i]`` on host i, output captured; killed after ``timeout``."""
     envs = list(envs) or [base_env()] * len(commands)
-    return [host.popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
-            for host, cmd, env in zip(cluster, commands, envs)]
+    return [
+        host.popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+        for host, cmd, env in zip(cluster, commands, envs)
+    ]
 
 
 def finish(procs) -> list[tuple[int, str, str]]:
@@ -62,7 +64,8 @@ def finish(procs) -> list[tuple[int, str, str]]:
     if any(p.timed_out or p.returncode != 0 for p, _, _ in results):
         details = "\n".join(
             f"--- {p.host.hostname}: exit {p.returncode}{' (timed out)' * p.timed_out}\n{out}\n{err[-3000:]}"
-            for p, out, err in results)
+            for p, out, err in results
+        )
         pytest.fail(f"a job failed\n{details}", pytrace=False)
     return [(p.returncode, out, err) for p, out, err in results]
 
@@ -90,8 +93,9 @@ def check_job(cluster: Cluster, results: list[dict], world_size: int, backend: s
 
 def multicast_received(sender, receiver, group: str, wait: float) -> str:
     """What ``receiver`` got of the datagrams ``sender`` sent to ``group`` ("nothing" if none in ``wait`` s)."""
-    proc = receiver.popen([sys.executable, NET, "mcast-recv", group, str(PORT), str(wait)], stdout=subprocess.PIPE,
-                          text=True, timeout=60)
+    proc = receiver.popen(
+        [sys.executable, NET, "mcast-recv", group, str(PORT), str(wait)], stdout=subprocess.PIPE, text=True, timeout=60
+    )
     assert proc.stdout.readline().strip() == "ready"
     sender.run([sys.executable, NET, "mcast-send", group, str(PORT), sender.hostname], check=True, timeout=30)
     return proc.communicate(timeout=60)[0].strip()
@@ -120,8 +124,9 @@ def test_hosts_are_separate_machines(switch):
         # bytes arrive, and over eth0
         for address in (h0.address, h0.address6):
             rx0 = h0.link_bytes()[0]
-            server = h0.popen([sys.executable, NET, "serve", address, str(PORT)], stdout=subprocess.PIPE, text=True,
-                              timeout=60)
+            server = h0.popen(
+                [sys.executable, NET, "serve", address, str(PORT)], stdout=subprocess.PIPE, text=True, timeout=60
+            )
             assert server.stdout.readline().strip() == "ready"
             h1.run([sys.executable, NET, "client", address, str(PORT), str(1 << 20)], check=True, timeout=60)
             assert int(server.communicate(timeout=60)[0]) == 1 << 20
@@ -134,11 +139,13 @@ def test_link_rate_and_delay(tdist_cluster):
     at least twice the one-way delay, and 1 MiB at least 8 Mbit / 40 Mbit/s."""
     h0, h1 = tdist_cluster
     assert (h0.rate, h0.delay) == (40e6, 0.01)
-    server = h0.popen([sys.executable, NET, "serve", h0.address, str(PORT)], stdout=subprocess.PIPE, text=True,
-                      timeout=60)
+    server = h0.popen(
+        [sys.executable, NET, "serve", h0.address, str(PORT)], stdout=subprocess.PIPE, text=True, timeout=60
+    )
     assert server.stdout.readline().strip() == "ready"
-    measured = json.loads(h1.run([sys.executable, NET, "client", h0.address, str(PORT), str(1 << 20)],
-                                 check=True, timeout=60).stdout)
+    measured = json.loads(
+        h1.run([sys.executable, NET, "client", h0.address, str(PORT), str(1 << 20)], check=True, timeout=60).stdout
+    )
     assert int(server.communicate(timeout=60)[0]) == 1 << 20
     assert measured["rtt"] >= 0.02, measured
     bound = ((1 << 20) - (64 << 10)) * 8 / 40e6  # less tbf's burst
@@ -161,14 +168,23 @@ def test_timeouts_and_cleanup(tmp_path):
     assert busy.returncode is not None
     assert not set(names) & set(os.listdir("/run/netns")) and not os.path.exists(workdir)
 
-    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import sys, time
         from tdist.testing.cluster import Cluster
         cluster = Cluster(2).start()
         pids = [h.popen(["sleep", "60"]).pid for h in cluster]
         print(" ".join(cluster.netns_names), cluster.workdir, *pids, flush=True)
         time.sleep(60)
-    """)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         words = owner.stdout.readline().split()
     finally:
@@ -186,9 +202,27 @@ def test_timeouts_and_cleanup(tmp_path):
 # ------------------------------------------------------------------ jobs across hosts
 @pytest.mark.parametrize("backend,nproc", [("tcp", 2), ("gloo", 1)])
 def test_tdistrun_on_two_hosts(tdist_cluster, backend, nproc):
-    commands = [[tdistrun(), "--nnodes", "2", "--node_rank", str(host.index), "--nproc_per_node", str(nproc),
-                 "--master_addr", tdist_cluster[0].address, "--master_port", str(PORT),
-                 JOB, "--backend", backend, "--size", str(SIZE)] for host in tdist_cluster]
+    commands = [
+        [
+            tdistrun(),
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(host.index),
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            tdist_cluster[0].address,
+            "--master_port",
+            str(PORT),
+            JOB,
+            "--backend",
+            backend,
+            "--size",
+            str(SIZE),
+        ]
+        for host in tdist_cluster
+    ]
     outputs = [out for _, out, _ in finish(start(tdist_cluster, commands))]
     check_job(tdist_cluster, job_results(outputs), 2 * nproc, backend)
 
@@ -200,10 +234,21 @@ def test_mpirun_across_hosts(tdist_cluster, tmp_path):
     if mpirun is None:
         pytest.skip("mpirun not found")
     env = mpirun_env(base_env(), tempfile.mkdtemp(dir=tmp_path))
-    command = [mpirun, "-n", "2", *tdist_cluster.mpirun_args(slots=1), sys.executable, JOB, "--backend", "mpi",
-               "--size", str(SIZE)]
-    proc = tdist_cluster[0].popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  timeout=JOB_TIMEOUT)
+    command = [
+        mpirun,
+        "-n",
+        "2",
+        *tdist_cluster.mpirun_args(slots=1),
+        sys.executable,
+        JOB,
+        "--backend",
+        "mpi",
+        "--size",
+        str(SIZE),
+    ]
+    proc = tdist_cluster[0].popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=JOB_TIMEOUT
+    )
     outputs = [out for _, out, _ in finish([proc])]
     check_job(tdist_cluster, job_results(outputs), 2, "mpi")
 
@@ -214,13 +259,20 @@ def test_rendezvous_across_hosts(tdist_cluster, tmp_path):
     assigned in arrival order; file:// in a directory every host sees; tcp:// and file://
     with a group_name (the job's own store on a free port of its first process's host)."""
     master = tdist_cluster[0].address
-    methods = ["env://", f"tcp://{master}:{PORT + 1}?world_size=2&rank={{rank}}",
-               f"tcp://{master}:{PORT + 2}?world_size=2", f"file://{tmp_path}/rendezvous?world_size=2",
-               f"tcp://{master}:{PORT + 3}?world_size=2#jobs", f"file://{tmp_path}/shared?world_size=2#jobs"]
+    methods = [
+        "env://",
+        f"tcp://{master}:{PORT + 1}?world_size=2&rank={{rank}}",
+        f"tcp://{master}:{PORT + 2}?world_size=2",
+        f"file://{tmp_path}/rendezvous?world_size=2",
+        f"tcp://{master}:{PORT + 3}?world_size=2#jobs",
+        f"file://{tmp_path}/shared?world_size=2#jobs",
+    ]
     commands, envs = [], []
     for host in tdist_cluster:
-        commands.append([sys.executable, JOB, "--backend", "tcp", "--size", str(SIZE)]
-                        + [arg for m in methods for arg in ("--init-method", m.format(rank=host.index))])
+        commands.append(
+            [sys.executable, JOB, "--backend", "tcp", "--size", str(SIZE)]
+            + [arg for m in methods for arg in ("--init-method", m.format(rank=host.index))]
+        )
         envs.append(base_env(MASTER_ADDR=master, MASTER_PORT=str(PORT), RANK=str(host.index), WORLD_SIZE="2"))
     results = job_results([out for _, out, _ in finish(start(tdist_cluster, commands, envs))])
     for method in methods:
@@ -238,9 +290,29 @@ def test_rendezvous_across_hosts(tdist_cluster, tmp_path):
 def test_launcher_killed_on_one_host(tdist_cluster):
     """SIGKILL to host 1's tdistrun mid-job (its worker dies with it): host 0's job stops
     with an error naming rank 1, long before the 30 s process-group timeout."""
-    commands = [[tdistrun(), "--nnodes", "2", "--node_rank", str(host.index), "--master_addr", tdist_cluster[0].address,
-                 "--master_port", str(PORT), JOB, "--backend", "tcp", "--size", "4096", "--steps", "100000",
-                 "--timeout", "30"] for host in tdist_cluster]
+    commands = [
+        [
+            tdistrun(),
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(host.index),
+            "--master_addr",
+            tdist_cluster[0].address,
+            "--master_port",
+            str(PORT),
+            JOB,
+            "--backend",
+            "tcp",
+            "--size",
+            "4096",
+            "--steps",
+            "100000",
+            "--timeout",
+            "30",
+        ]
+        for host in tdist_cluster
+    ]
     procs = start(tdist_cluster, commands, timeout=JOB_TIMEOUT)
     for proc in procs:
         for line in proc.stdout:

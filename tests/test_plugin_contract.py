@@ -56,17 +56,27 @@ def test_plugins_do_not_assign_other_modules_globals() -> None:
     offenders = []
     for path in PLUGIN_SOURCES:
         tree = ast.parse(path.read_text(), str(path))
-        modules = {alias.asname or alias.name.split(".")[0]
-                   for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
-                   if alias.name.startswith("tdist")}
-        modules |= {alias.asname or alias.name
-                    for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level > 0
-                    and not node.module for alias in node.names}
+        modules = {
+            alias.asname or alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+            if alias.name.startswith("tdist")
+        }
+        modules |= {
+            alias.asname or alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level > 0 and not node.module
+            for alias in node.names
+        }
         for node in ast.walk(tree):
             targets = node.targets if isinstance(node, ast.Assign) else []
             for target in targets:
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
-                        and target.value.id in modules:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id in modules
+                ):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {target.value.id}.{target.attr} = ...")
     assert not offenders, "\n".join(offenders)
 
@@ -89,16 +99,23 @@ def test_public_contract_exports_resolve() -> None:
     assert tdist.plugin.Work is tdist.Work and tdist.plugin.Backend is tdist.Backend
 
 
-@pytest.mark.skipif(shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(),
-                    reason="ruff is not installed")
+@pytest.mark.skipif(
+    shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(), reason="ruff is not installed"
+)
 def test_ruff_enforces_the_rule() -> None:
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
-    clean = subprocess.run([ruff, "check", "--select", "TID251", "plugins"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=120)
+    clean = subprocess.run(
+        [ruff, "check", "--select", "TID251", "plugins"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert clean.returncode == 0, clean.stdout + clean.stderr
-    bad = subprocess.run([ruff, "check", "--select", "TID251", "--stdin-filename", "plugins/tcp/src/tdist_tcp/x.py",
-                          "-"], cwd=ROOT, input="from tdist._store.base import Store\n", capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        [ruff, "check", "--select", "TID251", "--stdin-filename", "plugins/tcp/src/tdist_tcp/x.py", "-"],
+        cwd=ROOT,
+        input="from tdist._store.base import Store\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 1 and "TID251" in bad.stdout, bad.stdout + bad.stderr
 
 
@@ -136,16 +153,20 @@ def _plugin(name: str, **spec: object) -> types.ModuleType:
     module.TDIST_HOOKSPEC_VERSION = "1.0"  # type: ignore[attr-defined]
     spec = {"operations": {"cpu": frozenset({"barrier"})}, **spec}
     module.tdist_register_backends = tdist.hookimpl(  # type: ignore[attr-defined]
-        lambda registry: registry.add(tdist.BackendSpec(name=name, factory=lambda **kw: None, **spec)))
+        lambda registry: registry.add(tdist.BackendSpec(name=name, factory=lambda **kw: None, **spec))
+    )
     return module
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"operations": {"cpu": frozenset({"all_reduse"})}}, "'all_reduse' \\(did you mean 'all_reduce'\\?\\)"),
-    ({"extra": {"unsupported": {"multi_gpu": "why"}}}, "'multi_gpu' \\(did you mean 'multigpu'\\?\\)"),
-    ({"extra": {"unsupported": {"reduce_op.AVERAGE": "why"}}}, "'reduce_op.AVERAGE'"),
-    ({"launcher": "srun"}, "launcher 'srun' is not one of"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"operations": {"cpu": frozenset({"all_reduse"})}}, "'all_reduse' \\(did you mean 'all_reduce'\\?\\)"),
+        ({"extra": {"unsupported": {"multi_gpu": "why"}}}, "'multi_gpu' \\(did you mean 'multigpu'\\?\\)"),
+        ({"extra": {"unsupported": {"reduce_op.AVERAGE": "why"}}}, "'reduce_op.AVERAGE'"),
+        ({"launcher": "srun"}, "launcher 'srun' is not one of"),
+    ],
+)
 def test_capability_keys_are_checked_at_registration(spec: dict, message: str) -> None:
     from tdist._plugins import Plugins
 
@@ -164,11 +185,16 @@ def test_valid_declarations_register_and_a_deferred_spec_is_made_once() -> None:
 
     def make() -> tdist.BackendSpec:
         made.append("probe")
-        return tdist.BackendSpec(name="later", factory=lambda **kw: None, operations={"cpu": frozenset({"barrier"})},
-                                 extra={"unsupported": {"reduce_op.AVG": "x", "dtype.bfloat16": "y"}})
+        return tdist.BackendSpec(
+            name="later",
+            factory=lambda **kw: None,
+            operations={"cpu": frozenset({"barrier"})},
+            extra={"unsupported": {"reduce_op.AVG": "x", "dtype.bfloat16": "y"}},
+        )
 
     deferred.tdist_register_backends = tdist.hookimpl(  # type: ignore[attr-defined]
-        lambda registry: registry.add_deferred("later", make))
+        lambda registry: registry.add_deferred("later", make)
+    )
     plugins = Plugins([])
     plugins.register(deferred, "deferred")
     plugins.register(_plugin("now", launcher="mpirun"), "now")

@@ -30,7 +30,9 @@ def make_backend_plugin(name: str, version: str = "1.0") -> types.ModuleType:
 
     @tdist.hookimpl
     def tdist_register_backends(registry):
-        registry.add(tdist.BackendSpec(name=name, factory=lambda **kw: None, operations={"cpu": frozenset({"barrier"})}))
+        registry.add(
+            tdist.BackendSpec(name=name, factory=lambda **kw: None, operations={"cpu": frozenset({"barrier"})})
+        )
 
     module.tdist_register_backends = tdist_register_backends
     return module
@@ -64,7 +66,9 @@ def test_incompatible_contract_version_is_refused(version):
 
 
 def test_duplicate_backend_name_reported():
-    loaded = Plugins([FakeEntryPoint("a", make_backend_plugin("same")), FakeEntryPoint("b", make_backend_plugin("same"))])
+    loaded = Plugins(
+        [FakeEntryPoint("a", make_backend_plugin("same")), FakeEntryPoint("b", make_backend_plugin("same"))]
+    )
     assert loaded.backends.names() == ["same"]
     assert "registered twice" in loaded.records[1].error
 
@@ -189,7 +193,9 @@ def test_a_work_completes_exactly_once():
 
 def test_source_rank_of_a_work_completed_without_one_says_so():
     work = tdist.Work.completed("recv", ["tensor"])
-    with pytest.raises(tdist.DistBackendError, match=r"recv: source_rank\(\) is only defined for receives.*source_rank="):
+    with pytest.raises(
+        tdist.DistBackendError, match=r"recv: source_rank\(\) is only defined for receives.*source_rank="
+    ):
         work.source_rank()
     assert tdist.Work.completed("recv", ["tensor"], source_rank=1).source_rank() == 1
 
@@ -239,14 +245,22 @@ def _observe_contract_1_1() -> dict:
     old: list = []
     observer = types.ModuleType("observer_1_1")
     observer.TDIST_HOOKSPEC_VERSION = "1.1"
-    observer.tdist_work_issued = tdist.hookimpl(lambda info: new["issued"].append(
-        (info.op, info.rank, info.group_ranks, info.reduce_op, info.root, info.peer, info.tag, info.dtype)))
-    observer.tdist_work_failed = tdist.hookimpl(lambda info, error, duration: new["failed"].append(
-        (info.op, info.seq, info.group, type(error).__name__, duration)))
-    observer.tdist_group_created = tdist.hookimpl(lambda name, ranks, rank, backend: new["groups"].append(
-        ("created", name, ranks, rank, backend)))
+    observer.tdist_work_issued = tdist.hookimpl(
+        lambda info: new["issued"].append(
+            (info.op, info.rank, info.group_ranks, info.reduce_op, info.root, info.peer, info.tag, info.dtype)
+        )
+    )
+    observer.tdist_work_failed = tdist.hookimpl(
+        lambda info, error, duration: new["failed"].append(
+            (info.op, info.seq, info.group, type(error).__name__, duration)
+        )
+    )
+    observer.tdist_group_created = tdist.hookimpl(
+        lambda name, ranks, rank, backend: new["groups"].append(("created", name, ranks, rank, backend))
+    )
     observer.tdist_group_destroyed = tdist.hookimpl(
-        lambda name, ranks: new["groups"].append(("destroyed", name, ranks)))
+        lambda name, ranks: new["groups"].append(("destroyed", name, ranks))
+    )
     legacy = types.ModuleType("observer_1_0")
     legacy.TDIST_HOOKSPEC_VERSION = "1.0"
     legacy.tdist_work_failed = tdist.hookimpl(lambda info, error: old.append((info.op, str(error)[:20])))

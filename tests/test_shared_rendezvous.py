@@ -30,12 +30,19 @@ class Jobs:
         self.state = state
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, init_method: str, group: str, world_size: int = 2, rank: Optional[int] = None,
-              hold: bool = False) -> subprocess.Popen:
+    def start(
+        self, init_method: str, group: str, world_size: int = 2, rank: Optional[int] = None, hold: bool = False
+    ) -> subprocess.Popen:
         args = [sys.executable, JOB, init_method, group, str(world_size), str(self.state)]
         args += [] if rank is None else [str(rank)]
-        proc = subprocess.Popen(args, env=base_env(TDIST_TEST_HOLD="1" if hold else "0"), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            args,
+            env=base_env(TDIST_TEST_HOLD="1" if hold else "0"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.procs.append(proc)
         return proc
 
@@ -77,8 +84,10 @@ class Jobs:
 
     def fail(self, what: str) -> None:
         self.kill(self.procs)
-        outputs = "\n".join(f"--- pid {p.pid} rc {p.returncode}\n"
-                            f"{p.stdout.read() if p.stdout and not p.stdout.closed else ''}" for p in self.procs)
+        outputs = "\n".join(
+            f"--- pid {p.pid} rc {p.returncode}\n{p.stdout.read() if p.stdout and not p.stdout.closed else ''}"
+            for p in self.procs
+        )
         pytest.fail(f"{what}\n{outputs}")
 
 

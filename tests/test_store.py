@@ -58,7 +58,9 @@ def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tuple[Sto
 
         server = torch_dist.TCPStore(HOST, 0, 1, True, timeout=timedelta(seconds=5))
         store = TorchStore(server)
-        opener = lambda: TorchStore(torch_dist.TCPStore(HOST, server.port, is_master=False, timeout=timedelta(seconds=5)))  # noqa: E731
+        opener = lambda: TorchStore(  # noqa: E731
+            torch_dist.TCPStore(HOST, server.port, is_master=False, timeout=timedelta(seconds=5))
+        )
     else:
         base = HashStore(timeout=5)
         base.set("unrelated", b"1")
@@ -323,9 +325,16 @@ def test_tcp_extended_operations_are_one_round_trip(monkeypatch: pytest.MonkeyPa
     with TCPStore(HOST, 0, is_master=True, timeout=5) as store:
         monkeypatch.setattr(TCPStore, "_request", counting)
         keys = [f"k{i}" for i in range(100)]
-        for op in (lambda: store.multi_set(keys, keys), lambda: store.multi_get(keys), lambda: store.append("a", "b"),
-                   lambda: store.queue_push("q", "v"), lambda: store.queue_pop("q"), lambda: store.queue_len("q"),
-                   lambda: store.list_keys(), lambda: store.barrier("b", 1)):
+        for op in (
+            lambda: store.multi_set(keys, keys),
+            lambda: store.multi_get(keys),
+            lambda: store.append("a", "b"),
+            lambda: store.queue_push("q", "v"),
+            lambda: store.queue_pop("q"),
+            lambda: store.queue_len("q"),
+            lambda: store.list_keys(),
+            lambda: store.barrier("b", 1),
+        ):
             calls.clear()
             op()
             assert len(calls) == 1, calls
@@ -479,8 +488,7 @@ def test_eight_processes_add_exactly(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), SRC])))
     with TCPStore(HOST, 0, world_size=9, is_master=True, timeout=30, wait_for_workers=False) as master:
         files = FileStore(path, world_size=9, timeout=30)
-        children = [subprocess.Popen([sys.executable, "-c", _CHILD, str(master.port), path], env=env)
-                    for _ in range(8)]
+        children = [subprocess.Popen([sys.executable, "-c", _CHILD, str(master.port), path], env=env) for _ in range(8)]
         try:
             master.set("go", "1")
             for child in children:
@@ -576,10 +584,13 @@ def test_garbage_and_bad_handshakes_are_dropped() -> None:
         noise.sendall(os.urandom(4096))
         _assert_dropped(noise)
         # after a valid handshake: unknown command, too many arguments, an oversized argument, wrong arity
-        for frame in (b"\xff\x00\x00\x00\x00", bytes([tcp_protocol.SET]) + b"\x00\x01\x00\x00",
-                      bytes([tcp_protocol.SET]) + b"\x00\x00\x00\x02" + b"\x7f\xff\xff\xff",
-                      bytes([tcp_protocol.GET]) + b"\x00\x00\x00\x00",
-                      bytes([tcp_protocol.GET]) + b"\x00\x00\x00\x02\x00\x00\x00\x01x\x00\x00\x00\x01k"):
+        for frame in (
+            b"\xff\x00\x00\x00\x00",
+            bytes([tcp_protocol.SET]) + b"\x00\x01\x00\x00",
+            bytes([tcp_protocol.SET]) + b"\x00\x00\x00\x02" + b"\x7f\xff\xff\xff",
+            bytes([tcp_protocol.GET]) + b"\x00\x00\x00\x00",
+            bytes([tcp_protocol.GET]) + b"\x00\x00\x00\x02\x00\x00\x00\x01x\x00\x00\x00\x01k",
+        ):
             sock = _raw_handshake(port)
             sock.sendall(frame + os.urandom(64))
             _assert_dropped(sock)
@@ -661,7 +672,8 @@ def test_wait_for_workers() -> None:
     port = free_port(HOST)
     result: List[object] = []
     master_thread = threading.Thread(
-        target=lambda: result.append(TCPStore(HOST, port, world_size=3, is_master=True, timeout=5)))
+        target=lambda: result.append(TCPStore(HOST, port, world_size=3, is_master=True, timeout=5))
+    )
     master_thread.start()
     workers = [TCPStore(HOST, port, world_size=3, timeout=5) for _ in range(2)]
     master_thread.join(5)

@@ -21,8 +21,13 @@ from tdist._store import TCPStore, TCPStoreServer, tcp_protocol as P, tcp_store 
 
 HOST = "127.0.0.1"
 TOKEN = "fuzz-token"
-FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,8 +44,10 @@ def servers(request: pytest.FixtureRequest) -> Iterator[dict]:
     fds, threads = _open_fds(), set(threading.enumerate())
     guarded = TCPStoreServer(HOST, 0, token=TOKEN, handshake_timeout=0.5).start()
     open_ = TCPStoreServer(HOST, 0, token="").start()
-    clients = {"guarded": TCPStore(HOST, guarded.port, timeout=10, token=TOKEN),
-               "open": TCPStore(HOST, open_.port, timeout=10, token="")}
+    clients = {
+        "guarded": TCPStore(HOST, guarded.port, timeout=10, token=TOKEN),
+        "open": TCPStore(HOST, open_.port, timeout=10, token=""),
+    }
     yield {"guarded": guarded, "open": open_, **{f"{k}_client": v for k, v in clients.items()}}
     for server, client in ((guarded, clients["guarded"]), (open_, clients["open"])):
         assert client.ping(b"still here") == b"still here"
@@ -75,8 +82,9 @@ def _wait_until_idle(server: TCPStoreServer) -> None:
 
 HELLO = P.MAGIC + bytes([P.VERSION])
 _key = st.binary(max_size=12)
-_timeout = st.sampled_from([P.F64.pack(0.0), P.F64.pack(0.001), P.F64.pack(1e300), P.F64.pack(float("nan")),
-                            P.F64.pack(-1.0), b"\x00" * 3])
+_timeout = st.sampled_from(
+    [P.F64.pack(0.0), P.F64.pack(0.001), P.F64.pack(1e300), P.F64.pack(float("nan")), P.F64.pack(-1.0), b"\x00" * 3]
+)
 
 
 @st.composite

@@ -197,8 +197,12 @@ def test_timeouts_too_large_to_represent_are_value_errors() -> None:
     with pytest.raises(ValueError, match="too large"):
         TCPStore(HOST, free_port(HOST), timeout=huge)
     store = HashStore()
-    for call in (lambda: store.set_timeout(huge), lambda: store.get("k", timeout=1e300),
-                 lambda: store.wait(["k"], float("inf")), lambda: store.set_timeout(float("nan"))):
+    for call in (
+        lambda: store.set_timeout(huge),
+        lambda: store.get("k", timeout=1e300),
+        lambda: store.wait(["k"], float("inf")),
+        lambda: store.set_timeout(float("nan")),
+    ):
         with pytest.raises(ValueError):
             call()
     with pytest.raises(ValueError, match="too large"):

@@ -33,21 +33,35 @@ VENDORED = Path(__file__).parent / "vendor" / "torch" / "torch_test_store.py"
 
 #: (class, test) -> why it cannot run on tdist. Inherited tests are skipped where defined.
 EXCLUDED: Dict[Tuple[str, str], str] = {
-    ("FileStoreTest", "test_init_pg_and_rpc_with_same_file"):
-        "needs torch.distributed.rpc (TensorPipe RPC), which tdist does not provide",
-    ("TCPStoreTest", "test_init_pg_and_rpc_with_same_socket"):
-        "needs torch.distributed.rpc (TensorPipe RPC), which tdist does not provide",
-    ("TCPStoreTest", "test_repr"):
-        "asserts the repr of torch's C++ socket classes (TCPClient(SocketImpl(fd=..., addr=...)))",
-    ("PythonStoreTest", "test_set_get"):
-        "calls torch's C++ trampoline test dist._test_python_store (a C++ caller of a Python Store)",
-    ("InitPgWithNonUvStore", "test_with_url_param"):
-        "reads torch's internal c10d._get_process_group_store to find which of torch's two servers runs",
-    ("InitPgWithNonUvStore", "test_with_env_var"):
-        "reads torch's internal c10d._get_process_group_store to find which of torch's two servers runs",
-    ("TestClientProtocol", "test_client_connect"):
-        "speaks torch's TCPStore wire protocol (VALIDATE 0x3C85F7CE, PING with the pid); tdist's store "
-        "has its own, mutually authenticated, protocol",
+    (
+        "FileStoreTest",
+        "test_init_pg_and_rpc_with_same_file",
+    ): "needs torch.distributed.rpc (TensorPipe RPC), which tdist does not provide",
+    (
+        "TCPStoreTest",
+        "test_init_pg_and_rpc_with_same_socket",
+    ): "needs torch.distributed.rpc (TensorPipe RPC), which tdist does not provide",
+    (
+        "TCPStoreTest",
+        "test_repr",
+    ): "asserts the repr of torch's C++ socket classes (TCPClient(SocketImpl(fd=..., addr=...)))",
+    (
+        "PythonStoreTest",
+        "test_set_get",
+    ): "calls torch's C++ trampoline test dist._test_python_store (a C++ caller of a Python Store)",
+    (
+        "InitPgWithNonUvStore",
+        "test_with_url_param",
+    ): "reads torch's internal c10d._get_process_group_store to find which of torch's two servers runs",
+    (
+        "InitPgWithNonUvStore",
+        "test_with_env_var",
+    ): "reads torch's internal c10d._get_process_group_store to find which of torch's two servers runs",
+    (
+        "TestClientProtocol",
+        "test_client_connect",
+    ): "speaks torch's TCPStore wire protocol (VALIDATE 0x3C85F7CE, PING with the pid); tdist's store "
+    "has its own, mutually authenticated, protocol",
 }
 
 pytestmark = pytest.mark.timeout(60)
@@ -106,9 +120,15 @@ def _multi_threaded_test_case() -> type:
     return MultiThreadedTestCase
 
 
-def create_tcp_store(addr: str = "localhost", world_size: int = 1, is_master: bool = True,
-                     timeout: timedelta = timedelta(minutes=5), wait_for_workers: bool = True,
-                     jit_class: bool = False, use_libuv: bool = True) -> tdist.TCPStore:
+def create_tcp_store(
+    addr: str = "localhost",
+    world_size: int = 1,
+    is_master: bool = True,
+    timeout: timedelta = timedelta(minutes=5),
+    wait_for_workers: bool = True,
+    jit_class: bool = False,
+    use_libuv: bool = True,
+) -> tdist.TCPStore:
     """torch's helper; the server picks its port (port 0) instead of probing for a free one."""
     return tdist.TCPStore(addr, 0, world_size, is_master, wait_for_workers=wait_for_workers, use_libuv=use_libuv)
 
@@ -128,6 +148,7 @@ def retry_on_connect_failures(func: Any = None, connect_errors: Any = ("Address 
                 if attempt == 2 or not any(e in str(error) for e in errors):
                     raise
                 time.sleep(0.2)
+
     return wrapper
 
 
@@ -147,13 +168,23 @@ def _modules() -> Dict[str, types.ModuleType]:
     dist.distributed_c10d = types.ModuleType("torch.distributed.distributed_c10d (not provided by tdist)")
     common_utils = types.ModuleType("torch.testing._internal.common_utils (tdist adapter)")
     common_utils.__dict__.update(
-        ACCELERATOR_TYPE=None, ADDRESS_IN_USE="Address already in use", CONNECT_TIMEOUT="connect() timed out.",
-        load_tests=None, retry_on_connect_failures=retry_on_connect_failures, run_tests=unittest.main,
-        TestCase=unittest.TestCase, instantiate_parametrized_tests=lambda cls: cls, find_free_port=lambda: free_port("localhost"))
+        ACCELERATOR_TYPE=None,
+        ADDRESS_IN_USE="Address already in use",
+        CONNECT_TIMEOUT="connect() timed out.",
+        load_tests=None,
+        retry_on_connect_failures=retry_on_connect_failures,
+        run_tests=unittest.main,
+        TestCase=unittest.TestCase,
+        instantiate_parametrized_tests=lambda cls: cls,
+        find_free_port=lambda: free_port("localhost"),
+    )
     common_distributed = types.ModuleType("torch.testing._internal.common_distributed (tdist adapter)")
     common_distributed.__dict__.update(
-        MultiThreadedTestCase=_multi_threaded_test_case(), create_tcp_store=create_tcp_store,
-        skip_if_win32=_skip_if_win32, tp_transports=lambda: None)
+        MultiThreadedTestCase=_multi_threaded_test_case(),
+        create_tcp_store=create_tcp_store,
+        skip_if_win32=_skip_if_win32,
+        tp_transports=lambda: None,
+    )
     internal = types.ModuleType("torch.testing._internal")
     internal.common_utils, internal.common_distributed = common_utils, common_distributed
     testing = types.ModuleType("torch.testing")
@@ -167,10 +198,16 @@ def _modules() -> Dict[str, types.ModuleType]:
 
     facade = TorchFacade("torch (tdist adapter)")
     facade.distributed, facade.testing = dist, testing
-    return {"torch": facade, "torch.distributed": dist, "torch.distributed.distributed_c10d": dist.distributed_c10d,
-            "torch.distributed.rpc": torch_rpc, "torch.testing": testing, "torch.testing._internal": internal,
-            "torch.testing._internal.common_utils": common_utils,
-            "torch.testing._internal.common_distributed": common_distributed}
+    return {
+        "torch": facade,
+        "torch.distributed": dist,
+        "torch.distributed.distributed_c10d": dist.distributed_c10d,
+        "torch.distributed.rpc": torch_rpc,
+        "torch.testing": testing,
+        "torch.testing._internal": internal,
+        "torch.testing._internal.common_utils": common_utils,
+        "torch.testing._internal.common_distributed": common_distributed,
+    }
 
 
 def _load(tmp: str) -> types.ModuleType:

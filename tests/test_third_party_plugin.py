@@ -65,8 +65,12 @@ def _copy_template(dest: Path, hookspec_version: str | None = None) -> Path:
     shutil.copytree(TEMPLATE, dest, ignore=_IGNORE)
     if hookspec_version is not None:
         plugin = dest / "src" / "tdist_template" / "plugin.py"
-        text, count = re.subn(r'^TDIST_HOOKSPEC_VERSION = "[^"]*"', f'TDIST_HOOKSPEC_VERSION = "{hookspec_version}"',
-                              plugin.read_text(), flags=re.M)
+        text, count = re.subn(
+            r'^TDIST_HOOKSPEC_VERSION = "[^"]*"',
+            f'TDIST_HOOKSPEC_VERSION = "{hookspec_version}"',
+            plugin.read_text(),
+            flags=re.M,
+        )
         assert count == 1, "plugins/_template/src/tdist_template/plugin.py no longer sets TDIST_HOOKSPEC_VERSION"
         plugin.write_text(text)
     return dest
@@ -101,13 +105,16 @@ def _env(site: Path) -> dict[str, str]:
 
 
 def _python(site: Path, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(site), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=_env(site), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _kit_plugin_args() -> list[str]:
     """``-p tdist.testing.pytest_plugin`` when tdist is not pip-installed (no pytest11 entry point)."""
-    registered = any(ep.value == "tdist.testing.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
+    registered = any(
+        ep.value == "tdist.testing.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11")
+    )
     return [] if registered else ["-p", "tdist.testing.pytest_plugin"]
 
 
@@ -187,10 +194,25 @@ def test_conformance_kit_passes_from_outside_the_repository(third_party):
     scenario's 20 s group timeout.
     """
     proc = _python(
-        third_party["site"], "-m", "pytest", "--pyargs", "tdist.testing.suite", *_kit_plugin_args(),
-        "--tdist-backend", BACKEND, "--tdist-world-sizes", "1,2", "-k", "not peer_killed_mid_collective",
-        "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-        cwd=third_party["cwd"], timeout=540,
+        third_party["site"],
+        "-m",
+        "pytest",
+        "--pyargs",
+        "tdist.testing.suite",
+        *_kit_plugin_args(),
+        "--tdist-backend",
+        BACKEND,
+        "--tdist-world-sizes",
+        "1,2",
+        "-k",
+        "not peer_killed_mid_collective",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        cwd=third_party["cwd"],
+        timeout=540,
     )
     summary = _assert_pytest_passed(proc)
     assert int(re.search(r"(\d+) passed", summary).group(1)) >= 250, summary
@@ -201,15 +223,29 @@ def test_template_own_tests_pass(third_party):
     """The template's tests as a third party runs them in their copy: unit tests and
     the three-line conformance file (a few bodies of it), backend chosen by its conftest."""
     proc = _python(
-        third_party["site"], "-m", "pytest", *_kit_plugin_args(), "tests", "--tdist-world-sizes", "2",
-        "-k", "not test_store_conformance or test_all_reduce or test_recv_any_source",
-        "-q", "-p", "no:cacheprovider", "-rA",
-        cwd=third_party["src"], timeout=240,
+        third_party["site"],
+        "-m",
+        "pytest",
+        *_kit_plugin_args(),
+        "tests",
+        "--tdist-world-sizes",
+        "2",
+        "-k",
+        "not test_store_conformance or test_all_reduce or test_recv_any_source",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rA",
+        cwd=third_party["src"],
+        timeout=240,
     )
     _assert_pytest_passed(proc)
     assert "not installed" not in proc.stdout, proc.stdout[-3000:]  # the conftest found the installed plugin
-    for test in ("test_store_conformance.py::test_all_reduce[store-ws2-", "test_store_plugin.py::",
-                 "test_indexed_rendezvous.py::"):
+    for test in (
+        "test_store_conformance.py::test_all_reduce[store-ws2-",
+        "test_store_plugin.py::",
+        "test_indexed_rendezvous.py::",
+    ):
         assert f"PASSED tests/{test}" in proc.stdout, proc.stdout[-3000:]
 
 
@@ -249,13 +285,26 @@ def test_core_wheel_ships_the_conformance_kit(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
-    for module in ("pytest_plugin", "suite/__init__", "suite/test_conformance", "suite/test_failures",
-                   "suite/test_tutorial", "suite/test_torch", "torch_utilities", "world", "_worker"):
+    for module in (
+        "pytest_plugin",
+        "suite/__init__",
+        "suite/test_conformance",
+        "suite/test_failures",
+        "suite/test_tutorial",
+        "suite/test_torch",
+        "torch_utilities",
+        "world",
+        "_worker",
+    ):
         assert f"tdist/testing/{module}.py" in names, module
-    assert re.search(r"^\[pytest11\]\s*\n\s*tdist = tdist\.testing\.pytest_plugin\s*$", entry_points, re.M), entry_points
+    assert re.search(r"^\[pytest11\]\s*\n\s*tdist = tdist\.testing\.pytest_plugin\s*$", entry_points, re.M), (
+        entry_points
+    )
     # torch's extension autoloading registers the installed backends as tdist-<name>
     assert "tdist_autoload/__init__.py" in names
-    assert re.search(r"^\[torch\.backends\]\s*\n\s*tdist = tdist_autoload:register\s*$", entry_points, re.M), entry_points
+    assert re.search(r"^\[torch\.backends\]\s*\n\s*tdist = tdist_autoload:register\s*$", entry_points, re.M), (
+        entry_points
+    )
 
 
 def test_core_sources_unchanged(core_digest, third_party):

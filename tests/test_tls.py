@@ -14,8 +14,10 @@ from tdist.testing.tls_certs import OPENSSL, make_pki, tls_env
 
 from jobs import python_job
 
-pytestmark = pytest.mark.skipif(OPENSSL is None, reason="the TLS tests make their certificates with the openssl "
-                                "command-line tool, which is not installed")
+pytestmark = pytest.mark.skipif(
+    OPENSSL is None,
+    reason="the TLS tests make their certificates with the openssl command-line tool, which is not installed",
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +46,21 @@ def test_store_over_mutual_tls_with_a_token(pki):
         client.close()
 
 
-@pytest.mark.parametrize("client, error", [
-    ("plaintext", "the server requires TLS"),
-    ("wrong CA", "certificate was rejected"),
-    ("no client certificate", "requires a client certificate"),
-])
+@pytest.mark.parametrize(
+    "client, error",
+    [
+        ("plaintext", "the server requires TLS"),
+        ("wrong CA", "certificate was rejected"),
+        ("no client certificate", "requires a client certificate"),
+    ],
+)
 def test_a_tls_server_refuses_clients_it_cannot_trust_at_once(pki, client, error):
     tls = _tls(pki, client_auth=True)
-    options = {"plaintext": False, "wrong CA": _tls(pki, ca="other-ca.pem"),
-               "no client certificate": TlsConfig(ca=str(pki / "ca.pem"))}[client]
+    options = {
+        "plaintext": False,
+        "wrong CA": _tls(pki, ca="other-ca.pem"),
+        "no client certificate": TlsConfig(ca=str(pki / "ca.pem")),
+    }[client]
     with TCPStore("127.0.0.1", 0, is_master=True, tls=tls, timeout=10) as master:
         with pytest.raises(DistStoreError, match=error) as info:  # at once: the 30 s timeout would fail the test
             TCPStore("127.0.0.1", master.port, tls=options, timeout=30)
@@ -88,16 +96,23 @@ _SOCKETS_ONLY = {"TDIST_TCP_SHM": "0", "TDIST_TCP_UNIX": "0"}  # ranks on one ho
 
 
 def test_tcp_job_over_tls_sockets_with_env_init_a_token_and_mutual_tls(pki):
-    results = python_job([str(Path(__file__).with_name("tls_job.py")), "run"], 2, timeout=120,
-                         TDIST_STORE_TOKEN="job-token", **_SOCKETS_ONLY, **tls_env(pki, client_auth=True))
+    results = python_job(
+        [str(Path(__file__).with_name("tls_job.py")), "run"],
+        2,
+        timeout=120,
+        TDIST_STORE_TOKEN="job-token",
+        **_SOCKETS_ONLY,
+        **tls_env(pki, client_auth=True),
+    )
     for rank, result in enumerate(results):
         assert result.returncode == 0 and "TLS-JOB-OK" in result.stdout, (rank, result.stdout, result.stderr[-3000:])
 
 
 def test_ranks_disagreeing_about_mesh_tls_fail_with_a_clear_error(pki):
     args = [str(pki / "ca.pem"), str(pki / "node.pem"), str(pki / "node.key")]
-    results = python_job([str(Path(__file__).with_name("tls_job.py")), "mesh-only", *args], 2, timeout=90,
-                         **_SOCKETS_ONLY)
+    results = python_job(
+        [str(Path(__file__).with_name("tls_job.py")), "mesh-only", *args], 2, timeout=90, **_SOCKETS_ONLY
+    )
     outputs = [r.stdout for r in results]
     assert all("INIT-FAILED" in out for out in outputs), [(r.stdout, r.stderr[-2000:]) for r in results]
     assert "a connection without TLS (this rank requires TLS" in outputs[0], outputs[0]

@@ -160,13 +160,16 @@ def test_tdist_store_under_torchs_prefix_store():
 
 # ---------------------------------------------------------------------------- torch's side, real processes
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env=base_env(**env), cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=base_env(**env), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_autoload_registers_backends_without_importing_tdist():
-    code = ("import sys, torch.distributed as td; "
-            "print(sorted(k for k in td.Backend._plugins if k.startswith('TDIST-')), 'tdist' in sys.modules)")
+    code = (
+        "import sys, torch.distributed as td; "
+        "print(sorted(k for k in td.Backend._plugins if k.startswith('TDIST-')), 'tdist' in sys.modules)"
+    )
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("]")[0].count("TDIST-") >= 3 and "'TDIST-TCP'" in proc.stdout, proc.stdout
@@ -188,7 +191,7 @@ def _check_train(results: list[dict], backend: str) -> None:
         assert res["registered"] and not res["tdist_imported_before_init"], res
         assert res["max_diff"] <= 1e-5, res
         assert res["gathered"] == [0, 1] and res["pair_sum"] == [2.0, 2.0]
-        assert res["torch_backend"] == backend and res["tdist_backend"] == backend[len("tdist-"):]
+        assert res["torch_backend"] == backend and res["tdist_backend"] == backend[len("tdist-") :]
         assert res["same_world"] and res["tdist_rank_of_pair"] == res["rank"]
         assert not res["tdist_initialized_after_destroy"]
 
@@ -198,8 +201,18 @@ def _check_train(results: list[dict], backend: str) -> None:
 def test_plain_torch_program_under_torchrun_on_tdist_tcp(tmp_path):
     """torchrun + torch DDP + DistributedSampler, only the backend string says tdist."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", os.path.join(TESTS, "torch_programs.py"),
-           "train", "--backend", "tdist-tcp", "--out", str(tmp_path)]
+    cmd = [
+        torchrun,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(TESTS, "torch_programs.py"),
+        "train",
+        "--backend",
+        "tdist-tcp",
+        "--out",
+        str(tmp_path),
+    ]
     (res,) = run_job([cmd], [base_env()], timeout=JOB_TIMEOUT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     _check_train(_results(tmp_path), "tdist-tcp")
@@ -208,8 +221,11 @@ def test_plain_torch_program_under_torchrun_on_tdist_tcp(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
 def test_plain_torch_program_on_tdist_gloo(tmp_path):
-    job = python_job([os.path.join(TESTS, "torch_programs.py"), "train", "--backend", "tdist-gloo",
-                      "--out", str(tmp_path)], 2, timeout=JOB_TIMEOUT)
+    job = python_job(
+        [os.path.join(TESTS, "torch_programs.py"), "train", "--backend", "tdist-gloo", "--out", str(tmp_path)],
+        2,
+        timeout=JOB_TIMEOUT,
+    )
     for res in job:
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     _check_train(_results(tmp_path), "tdist-gloo")
@@ -220,8 +236,11 @@ def test_plain_torch_program_on_tdist_gloo(tmp_path):
 def test_ranks_that_disagree_on_the_backend_fail_at_once(tmp_path):
     """Rank 0 names tcp, rank 1 gloo: every rank raises the same clear error (tdist's API
     and torch's), instead of waiting out the timeout in backends that never meet."""
-    job = python_job([os.path.join(TESTS, "torch_programs.py"), "disagree", "--out", str(tmp_path),
-                      "--port", str(free_port())], 2, timeout=JOB_TIMEOUT)
+    job = python_job(
+        [os.path.join(TESTS, "torch_programs.py"), "disagree", "--out", str(tmp_path), "--port", str(free_port())],
+        2,
+        timeout=JOB_TIMEOUT,
+    )
     for res in job:
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for res in _results(tmp_path):
@@ -238,10 +257,26 @@ def test_kit_through_torchs_api():
     the bridge, to tdist's backend; tdist's default group made over torch's store), 2 ranks.
     Left out: what torch itself does not offer such a backend (the multi-GPU functions
     torch 2.13 removed; monitored_barrier, gloo only)."""
-    cmd = [sys.executable, "-m", "pytest", os.path.join(TESTS, "test_conformance.py"),
-           os.path.join(TESTS, "test_torch_utilities.py"), "--tdist-dist-module", "torch.distributed",
-           "--tdist-backend", "tdist-tcp", "--tdist-world-sizes", "2", "-k", "not multigpu and not monitored_barrier",
-           "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        os.path.join(TESTS, "test_conformance.py"),
+        os.path.join(TESTS, "test_torch_utilities.py"),
+        "--tdist-dist-module",
+        "torch.distributed",
+        "--tdist-backend",
+        "tdist-tcp",
+        "--tdist-world-sizes",
+        "2",
+        "-k",
+        "not multigpu and not monitored_barrier",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=540)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -45,10 +45,20 @@ def test_takes_torch_parameters(name):
 
 def test_compatibility_names_exist():
     for name in (
-        "all_gather_single", "reduce_scatter_single", "all_reduce_coalesced", "all_gather_coalesced",
-        "new_subgroups", "new_subgroups_by_enumeration", "get_pg_count", "get_node_local_rank",
-        "is_torchelastic_launched", "is_gloo_available", "is_mpi_available", "is_nccl_available",
-        "get_default_backend_for_device", "supports_complex",
+        "all_gather_single",
+        "reduce_scatter_single",
+        "all_reduce_coalesced",
+        "all_gather_coalesced",
+        "new_subgroups",
+        "new_subgroups_by_enumeration",
+        "get_pg_count",
+        "get_node_local_rank",
+        "is_torchelastic_launched",
+        "is_gloo_available",
+        "is_mpi_available",
+        "is_nccl_available",
+        "get_default_backend_for_device",
+        "supports_complex",
     ):
         assert name in dist.__all__ and callable(getattr(dist, name)), name
     assert dist.all_gather_single is dist.all_gather_into_tensor
@@ -114,7 +124,6 @@ def test_torchelastic_launched(monkeypatch):
     assert dist.is_torchelastic_launched()
 
 
-
 def test_pg_count():
     assert dist.get_pg_count() == 0
     dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=10))
@@ -132,23 +141,41 @@ def test_pg_count():
     "call, error, message",
     [
         (lambda: dist.all_reduce_coalesced([]), ValueError, "tensors is empty"),
-        (lambda: dist.all_reduce_coalesced([torch.ones(1), torch.ones(1, dtype=torch.int64)]), ValueError,
-         r"tensors\[1\] has dtype torch.int64, expected torch.float32"),
+        (
+            lambda: dist.all_reduce_coalesced([torch.ones(1), torch.ones(1, dtype=torch.int64)]),
+            ValueError,
+            r"tensors\[1\] has dtype torch.int64, expected torch.float32",
+        ),
         (lambda: dist.all_reduce_coalesced("x"), TypeError, "must be a list of tensors"),
-        (lambda: dist.all_reduce_coalesced([torch.ones(1, dtype=torch.complex64)], op=dist.ReduceOp.MAX), TypeError,
-         "not supported for complex"),
-        (lambda: dist.all_gather_coalesced([[torch.ones(2)], [torch.ones(2)]], [torch.ones(2)]), ValueError,
-         "list of 1 lists"),
-        (lambda: dist.all_gather_coalesced([[torch.ones(3)]], [torch.ones(2)]), ValueError,
-         r"holds \[3\] elements per tensor, input_tensor_list \[2\]"),
-        (lambda: dist.all_gather_coalesced([[torch.ones(2, dtype=torch.int64)]], [torch.ones(2)]), ValueError,
-         "dtype torch.int64, expected torch.float32"),
+        (
+            lambda: dist.all_reduce_coalesced([torch.ones(1, dtype=torch.complex64)], op=dist.ReduceOp.MAX),
+            TypeError,
+            "not supported for complex",
+        ),
+        (
+            lambda: dist.all_gather_coalesced([[torch.ones(2)], [torch.ones(2)]], [torch.ones(2)]),
+            ValueError,
+            "list of 1 lists",
+        ),
+        (
+            lambda: dist.all_gather_coalesced([[torch.ones(3)]], [torch.ones(2)]),
+            ValueError,
+            r"holds \[3\] elements per tensor, input_tensor_list \[2\]",
+        ),
+        (
+            lambda: dist.all_gather_coalesced([[torch.ones(2, dtype=torch.int64)]], [torch.ones(2)]),
+            ValueError,
+            "dtype torch.int64, expected torch.float32",
+        ),
         (lambda: dist.new_subgroups(group_size=2), ValueError, "group_size 2 must divide the group's size 1"),
         (lambda: dist.new_subgroups(group_size=0), ValueError, "must be a positive integer"),
         (lambda: dist.new_subgroups(), ValueError, "group_size is required where CUDA is not available"),
         (lambda: dist.new_subgroups_by_enumeration([]), ValueError, "is empty"),
-        (lambda: dist.new_subgroups_by_enumeration([[0], [0]]), ValueError,
-         r"rank 0 is in both subgroup \[0\] and \[0\]"),
+        (
+            lambda: dist.new_subgroups_by_enumeration([[0], [0]]),
+            ValueError,
+            r"rank 0 is in both subgroup \[0\] and \[0\]",
+        ),
         (lambda: dist.barrier(timeout=3), TypeError, "timeout must be a datetime.timedelta"),
         (lambda: dist.gather_object(1, [None], dst=0, group_dst=0), ValueError, "either dst or group_dst"),
         (lambda: dist.send_object_list([1], group_dst=0), ValueError, "own rank"),

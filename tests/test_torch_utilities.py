@@ -5,6 +5,7 @@ and world size.
 
     .venv/bin/python -m pytest tests/test_torch_utilities.py --tdist-backend tcp
 """
+
 from tdist.testing import collect
 
 collect(globals(), suite="torch")

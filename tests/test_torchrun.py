@@ -81,9 +81,11 @@ def check_world(found: list[dict], world_size: int) -> None:
     assert all(r["world_size"] == world_size and r["sum"] == world_size * (world_size + 1) / 2 for r in found)
 
 
-@pytest.mark.parametrize("launcher,mode", [("torchrun", []), ("torchrun", ["--standalone"]),
-                                           ("tdistrun", ["--standalone"])],
-                         ids=["torchrun", "torchrun-standalone", "tdistrun-standalone"])
+@pytest.mark.parametrize(
+    "launcher,mode",
+    [("torchrun", []), ("torchrun", ["--standalone"]), ("tdistrun", ["--standalone"])],
+    ids=["torchrun", "torchrun-standalone", "tdistrun-standalone"],
+)
 def test_tdist_program(program, logs, launcher, mode):
     """env:// under the agent (TORCHELASTIC_USE_AGENT_STORE=True) joins its store: rank 0 no
     longer binds MASTER_PORT (EADDRINUSE). (tdistrun's default mode runs examples/train.py
@@ -101,8 +103,10 @@ def test_tdist_program(program, logs, launcher, mode):
 def test_restart_after_a_failure(program):
     """--max-restarts 1 (static rendezvous: the agent store lives across attempts): rank 1 fails
     after its first all_reduce; the new group gets a fresh key prefix and succeeds."""
-    res = run(TDISTRUN, ["--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(free_port()),
-                         program, "--fail-once"])
+    res = run(
+        TDISTRUN,
+        ["--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(free_port()), program, "--fail-once"],
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     found = reports(res.stdout)
     attempts = {c: [r for r in found if r["env"]["TORCHELASTIC_RESTART_COUNT"] == c] for c in ("0", "1")}
@@ -118,8 +122,21 @@ def test_two_nodes_join_one_c10d_rendezvous(program):
     rendezvous and their workers form one world of 2. With a token, both use the
     authenticated store of group rank 0's agent, whose address travels through the rendezvous."""
     endpoint = f"127.0.0.1:{free_port()}"
-    args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", "two-nodes", "--rdzv-conf", "last_call_timeout=60", program]
+    args = [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "two-nodes",
+        "--rdzv-conf",
+        "last_call_timeout=60",
+        program,
+    ]
     found = []
     for res in run_job([[*TDISTRUN, *args]] * 2, [base_env(TDIST_STORE_TOKEN=TOKEN)] * 2, timeout=LAUNCH_TIMEOUT):
         assert res.returncode == 0, res.stderr[-3000:]

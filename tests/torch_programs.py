@@ -45,8 +45,10 @@ def _sgd(model: torch.nn.Module) -> None:
 
 
 def train(backend: str) -> dict:
-    result = {"tdist_imported_before_init": "tdist" in sys.modules,
-              "registered": f"{backend.upper()}" in dist.Backend._plugins}
+    result = {
+        "tdist_imported_before_init": "tdist" in sys.modules,
+        "registered": f"{backend.upper()}" in dist.Backend._plugins,
+    }
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = _data()
@@ -94,8 +96,13 @@ def disagree(port: int) -> dict:
     except tdist.DistError as exc:
         result["tdist"] = str(exc)
     try:
-        dist.init_process_group("tdist-tcp" if rank == 0 else "tdist-gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=2, timeout=timeout)
+        dist.init_process_group(
+            "tdist-tcp" if rank == 0 else "tdist-gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timeout,
+        )
         result["torch"] = "initialized"
     except Exception as exc:  # noqa: BLE001 - reported to the test
         result["torch"] = f"{type(exc).__name__}: {exc}"

@@ -52,7 +52,11 @@ def _worker(rank: int, world_size: int, tdist_port: int, torch_port: int, sizes:
     torch.set_num_threads(1)
     timeout = timedelta(seconds=120)
     tdist.init_process_group(  # torch_bridge=False: torch's own gloo group is measured next to it
-        "gloo", init_method=f"tcp://127.0.0.1:{tdist_port}", rank=rank, world_size=world_size, timeout=timeout,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{tdist_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
         torch_bridge=False,
     )
     td.init_process_group(

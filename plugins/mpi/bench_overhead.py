@@ -25,8 +25,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4,16777216", help="message sizes in bytes (float32), comma-separated")
     parser.add_argument("--rounds", type=int, default=41, help="alternating blocks per variant")
-    parser.add_argument("--nonblocking", action="store_true",
-                        help="also time raw mpi4py Iallreduce + Test() loop (what the backend issues)")
+    parser.add_argument(
+        "--nonblocking",
+        action="store_true",
+        help="also time raw mpi4py Iallreduce + Test() loop (what the backend issues)",
+    )
     args = parser.parse_args()
 
     dist.init_process_group("mpi")
@@ -37,8 +40,10 @@ def main() -> None:
     if rank == 0:
         print(f"tdist mpi backend vs raw mpi4py Allreduce, {size} ranks, {MPI.Get_library_version().splitlines()[0]}")
         print(f"{'':>10} {'median of blocks':^48}   {'fastest block':^33}")
-        print(f"{'bytes':>10} {'raw mpi4py':>14} {'tdist':>14} {'diff':>11} {'ratio':>7}   "
-              f"{'raw mpi4py':>11} {'tdist':>11} {'ratio':>7}")
+        print(
+            f"{'bytes':>10} {'raw mpi4py':>14} {'tdist':>14} {'diff':>11} {'ratio':>7}   "
+            f"{'raw mpi4py':>11} {'tdist':>11} {'ratio':>7}"
+        )
     for nbytes in (int(s) for s in args.sizes.split(",")):
         count = max(1, nbytes // 4)
         t = torch.ones(count)
@@ -86,8 +91,11 @@ def main() -> None:
             )
             if args.nonblocking:
                 nb = times["nonblocking"]
-                print(f"{'':>10} raw Iallreduce+Test: median {statistics.median(nb) * 1e6:.2f} us, "
-                      f"fastest block {min(nb) * 1e6:.2f} us", flush=True)
+                print(
+                    f"{'':>10} raw Iallreduce+Test: median {statistics.median(nb) * 1e6:.2f} us, "
+                    f"fastest block {min(nb) * 1e6:.2f} us",
+                    flush=True,
+                )
         dup.Free()
     dist.destroy_process_group()
 

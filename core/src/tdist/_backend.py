@@ -155,14 +155,21 @@ def _spec_problems(spec: BackendSpec) -> list[str]:
         problems.append(f"launcher {spec.launcher!r} is not one of {LAUNCHERS}")
     unsupported = spec.extra.get("unsupported", {})
     reduce_ops = [op.name for op in ReduceOp]
-    features = [str(key) for key in unsupported if not isinstance(key, str) or not (
-        (key.startswith("reduce_op.") and key.partition(".")[2] in reduce_ops)
-        or (key.startswith("dtype.") and key.partition(".")[2].isidentifier())
-    )]
+    features = [
+        str(key)
+        for key in unsupported
+        if not isinstance(key, str)
+        or not (
+            (key.startswith("reduce_op.") and key.partition(".")[2] in reduce_ops)
+            or (key.startswith("dtype.") and key.partition(".")[2].isidentifier())
+        )
+    ]
     bad = _unknown(features, FEATURES)
     if bad:
-        problems.append(f"unknown unsupported feature(s): {', '.join(bad)} (known: {', '.join(FEATURES)}, "
-                        "reduce_op.<NAME>, dtype.<name>)")
+        problems.append(
+            f"unknown unsupported feature(s): {', '.join(bad)} (known: {', '.join(FEATURES)}, "
+            "reduce_op.<NAME>, dtype.<name>)"
+        )
     return problems
 
 

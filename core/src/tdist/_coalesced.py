@@ -39,7 +39,7 @@ def _pieces(flat: "torch.Tensor", like: Sequence["torch.Tensor"]) -> list["torch
     """Views of consecutive pieces of ``flat`` shaped like ``like``."""
     out, offset = [], 0
     for t in like:
-        out.append(flat[offset:offset + t.numel()].view(t.shape))
+        out.append(flat[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
     return out
 
@@ -70,8 +70,10 @@ def all_reduce_coalesced(
 
 
 def all_gather_coalesced(
-    output_tensor_lists: list[list["torch.Tensor"]], input_tensor_list: list["torch.Tensor"],
-    group: Any = None, async_op: bool = False,
+    output_tensor_lists: list[list["torch.Tensor"]],
+    input_tensor_list: list["torch.Tensor"],
+    group: Any = None,
+    async_op: bool = False,
 ) -> Optional[Any]:
     """``output_tensor_lists[r][i]`` receives rank r's ``input_tensor_list[i]``, every tensor
     in one all_gather. With ``async_op`` returns a ``torch.futures.Future``."""

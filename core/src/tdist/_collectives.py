@@ -53,7 +53,10 @@ __all__ = [
 
 @rejected("broadcast")
 def broadcast(
-    tensor: "torch.Tensor", src: Optional[int] = None, group: Any = None, async_op: bool = False,
+    tensor: "torch.Tensor",
+    src: Optional[int] = None,
+    group: Any = None,
+    async_op: bool = False,
     group_src: Optional[int] = None,
 ) -> Optional[Work]:
     """Copy ``tensor`` from rank ``src`` to every rank of the group."""
@@ -65,12 +68,15 @@ def broadcast(
     root = peer_rank("broadcast", pg, "src", src, group_src)
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
-    return issue(pg, "broadcast", tensor.device.type, lambda b: b.broadcast(t, root), async_op, copies, (tensor,),
-                 root=root)
+    return issue(
+        pg, "broadcast", tensor.device.type, lambda b: b.broadcast(t, root), async_op, copies, (tensor,), root=root
+    )
 
 
 @rejected("all_reduce")
-def all_reduce(tensor: "torch.Tensor", op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Optional[Work]:
+def all_reduce(
+    tensor: "torch.Tensor", op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Optional[Work]:
     """Reduce ``tensor`` across the group with ``op``; every rank gets the result in place."""
     check_tensor("all_reduce", "tensor", tensor)
     reduction = as_reduction(op)
@@ -81,14 +87,26 @@ def all_reduce(tensor: "torch.Tensor", op: Any = ReduceOp.SUM, group: Any = None
         return None
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
-    return issue(pg, "all_reduce", tensor.device.type, lambda b: b.all_reduce(t, reduction), async_op, copies, (tensor,),
-                 reduction=reduction)
+    return issue(
+        pg,
+        "all_reduce",
+        tensor.device.type,
+        lambda b: b.all_reduce(t, reduction),
+        async_op,
+        copies,
+        (tensor,),
+        reduction=reduction,
+    )
 
 
 @rejected("reduce")
 def reduce(
-    tensor: "torch.Tensor", dst: Optional[int] = None, op: Any = ReduceOp.SUM, group: Any = None,
-    async_op: bool = False, group_dst: Optional[int] = None,
+    tensor: "torch.Tensor",
+    dst: Optional[int] = None,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    group_dst: Optional[int] = None,
 ) -> Optional[Work]:
     """Reduce ``tensor`` across the group into ``tensor`` on rank ``dst``."""
     check_tensor("reduce", "tensor", tensor)
@@ -101,8 +119,17 @@ def reduce(
     root = peer_rank("reduce", pg, "dst", dst, group_dst)
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
-    return issue(pg, "reduce", tensor.device.type, lambda b: b.reduce(t, root, reduction), async_op, copies, (tensor,),
-                 reduction=reduction, root=root)
+    return issue(
+        pg,
+        "reduce",
+        tensor.device.type,
+        lambda b: b.reduce(t, root, reduction),
+        async_op,
+        copies,
+        (tensor,),
+        reduction=reduction,
+        root=root,
+    )
 
 
 @rejected("all_gather")
@@ -139,15 +166,24 @@ def all_gather_into_tensor(
     out = contiguous_view(output_tensor, copies, output=True)
     inp = contiguous_view(input_tensor, None, output=False)
     return issue(
-        pg, "all_gather_into_tensor", input_tensor.device.type,
-        lambda b: b.all_gather_into_tensor(out, inp), async_op, copies, (input_tensor,),
+        pg,
+        "all_gather_into_tensor",
+        input_tensor.device.type,
+        lambda b: b.all_gather_into_tensor(out, inp),
+        async_op,
+        copies,
+        (input_tensor,),
     )
 
 
 @rejected("gather")
 def gather(
-    tensor: "torch.Tensor", gather_list: Optional[list["torch.Tensor"]] = None, dst: Optional[int] = None,
-    group: Any = None, async_op: bool = False, group_dst: Optional[int] = None,
+    tensor: "torch.Tensor",
+    gather_list: Optional[list["torch.Tensor"]] = None,
+    dst: Optional[int] = None,
+    group: Any = None,
+    async_op: bool = False,
+    group_dst: Optional[int] = None,
 ) -> Optional[Work]:
     """On rank ``dst`` (default 0), ``gather_list[i]`` receives rank i's ``tensor``;
     other ranks pass no ``gather_list``."""
@@ -163,16 +199,23 @@ def gather(
         outputs = check_tensor_list("gather", "gather_list", gather_list, pg.size, like=tensor)
         staged = [contiguous_view(t, copies, output=True) for t in outputs]
     elif gather_list:
-        raise ValueError(f"gather: gather_list must be empty on non-destination ranks (this is rank {pg.ranks[pg.rank]})")
+        raise ValueError(
+            f"gather: gather_list must be empty on non-destination ranks (this is rank {pg.ranks[pg.rank]})"
+        )
     t = contiguous_view(tensor, None, output=False)
-    return issue(pg, "gather", tensor.device.type, lambda b: b.gather(t, staged, root), async_op, copies, (tensor,),
-                 root=root)
+    return issue(
+        pg, "gather", tensor.device.type, lambda b: b.gather(t, staged, root), async_op, copies, (tensor,), root=root
+    )
 
 
 @rejected("scatter")
 def scatter(
-    tensor: "torch.Tensor", scatter_list: Optional[list["torch.Tensor"]] = None, src: Optional[int] = None,
-    group: Any = None, async_op: bool = False, group_src: Optional[int] = None,
+    tensor: "torch.Tensor",
+    scatter_list: Optional[list["torch.Tensor"]] = None,
+    src: Optional[int] = None,
+    group: Any = None,
+    async_op: bool = False,
+    group_src: Optional[int] = None,
 ) -> Optional[Work]:
     """Rank i's ``tensor`` receives ``scatter_list[i]`` of rank ``src`` (default 0)."""
     check_tensor("scatter", "tensor", tensor)
@@ -189,13 +232,17 @@ def scatter(
         raise ValueError(f"scatter: scatter_list must be empty on non-source ranks (this is rank {pg.ranks[pg.rank]})")
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
-    return issue(pg, "scatter", tensor.device.type, lambda b: b.scatter(t, inputs, root), async_op, copies, (tensor,),
-                 root=root)
+    return issue(
+        pg, "scatter", tensor.device.type, lambda b: b.scatter(t, inputs, root), async_op, copies, (tensor,), root=root
+    )
 
 
 @rejected("reduce_scatter")
 def reduce_scatter(
-    output: "torch.Tensor", input_list: list["torch.Tensor"], op: Any = ReduceOp.SUM, group: Any = None,
+    output: "torch.Tensor",
+    input_list: list["torch.Tensor"],
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
     async_op: bool = False,
 ) -> Optional[Work]:
     """Rank i's ``output`` receives the reduction over ranks of their ``input_list[i]``."""
@@ -211,8 +258,14 @@ def reduce_scatter(
     out = contiguous_view(output, copies, output=True)
     staged = [contiguous_view(t, None, output=False) for t in inputs]
     return issue(
-        pg, "reduce_scatter", output.device.type, lambda b: b.reduce_scatter(out, staged, reduction), async_op,
-        copies, (output,), reduction=reduction,
+        pg,
+        "reduce_scatter",
+        output.device.type,
+        lambda b: b.reduce_scatter(out, staged, reduction),
+        async_op,
+        copies,
+        (output,),
+        reduction=reduction,
     )
 
 
@@ -235,14 +288,22 @@ def reduce_scatter_tensor(
     out = contiguous_view(output, copies, output=True)
     inp = contiguous_view(input, None, output=False)
     return issue(
-        pg, "reduce_scatter_tensor", output.device.type, lambda b: b.reduce_scatter_tensor(out, inp, reduction),
-        async_op, copies, (input,), reduction=reduction,
+        pg,
+        "reduce_scatter_tensor",
+        output.device.type,
+        lambda b: b.reduce_scatter_tensor(out, inp, reduction),
+        async_op,
+        copies,
+        (input,),
+        reduction=reduction,
     )
 
 
 @rejected("all_to_all")
 def all_to_all(
-    output_tensor_list: list["torch.Tensor"], input_tensor_list: list["torch.Tensor"], group: Any = None,
+    output_tensor_list: list["torch.Tensor"],
+    input_tensor_list: list["torch.Tensor"],
+    group: Any = None,
     async_op: bool = False,
 ) -> Optional[Work]:
     """Rank i's ``output_tensor_list[j]`` receives rank j's ``input_tensor_list[i]``
@@ -264,8 +325,12 @@ def all_to_all(
 
 @rejected("all_to_all_single")
 def all_to_all_single(
-    output: "torch.Tensor", input: "torch.Tensor", output_split_sizes: Optional[Sequence[int]] = None,
-    input_split_sizes: Optional[Sequence[int]] = None, group: Any = None, async_op: bool = False,
+    output: "torch.Tensor",
+    input: "torch.Tensor",
+    output_split_sizes: Optional[Sequence[int]] = None,
+    input_split_sizes: Optional[Sequence[int]] = None,
+    group: Any = None,
+    async_op: bool = False,
 ) -> Optional[Work]:
     """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``) and send piece j
     to rank j; rank j's piece i lands in piece i of ``output`` (split by ``output_split_sizes``)."""
@@ -281,14 +346,21 @@ def all_to_all_single(
     out = contiguous_view(output, copies, output=True)
     inp = contiguous_view(input, None, output=False)
     return issue(
-        pg, "all_to_all_single", input.device.type,
-        lambda b: b.all_to_all_single(out, inp, out_splits, in_splits), async_op, copies, (input,),
+        pg,
+        "all_to_all_single",
+        input.device.type,
+        lambda b: b.all_to_all_single(out, inp, out_splits, in_splits),
+        async_op,
+        copies,
+        (input,),
     )
 
 
 @rejected("barrier")
 def barrier(
-    group: Any = None, async_op: bool = False, device_ids: Optional[list[int]] = None,
+    group: Any = None,
+    async_op: bool = False,
+    device_ids: Optional[list[int]] = None,
     timeout: Optional[timedelta] = None,
 ) -> Optional[Work]:
     """Block until every rank of the group has entered the barrier. ``timeout`` (blocking
@@ -321,8 +393,7 @@ def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None, wa
             verdict = store.get(f"{key}/release", timeout=limit + 5.0)
         except DistStoreTimeoutError:
             raise DistBackendTimeoutError(
-                f"monitored_barrier: rank {pg.ranks[pg.rank]} was not released by rank {pg.ranks[0]} "
-                f"within {limit:g} s"
+                f"monitored_barrier: rank {pg.ranks[pg.rank]} was not released by rank {pg.ranks[0]} within {limit:g} s"
             ) from None
         if verdict != b"ok":
             raise DistBackendError(verdict.decode())
@@ -338,10 +409,7 @@ def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None, wa
                 break
     if missing:
         names = [pg.ranks[m] for m in missing]
-        message = (
-            f"monitored_barrier: rank(s) {names} did not reach the barrier within {limit:g} s "
-            f"(group {pg.name!r})"
-        )
+        message = f"monitored_barrier: rank(s) {names} did not reach the barrier within {limit:g} s (group {pg.name!r})"
         store.set(f"{key}/release", message.encode())
         raise DistBackendTimeoutError(message)
     store.set(f"{key}/release", b"ok")

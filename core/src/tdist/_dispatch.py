@@ -85,9 +85,7 @@ class StagedWork(Work):
         self._inner.add_done_callback(self._adopt)
 
 
-def contiguous_view(
-    tensor: "torch.Tensor", copies: Optional[list], output: bool
-) -> "torch.Tensor":
+def contiguous_view(tensor: "torch.Tensor", copies: Optional[list], output: bool) -> "torch.Tensor":
     """``tensor`` itself when contiguous, else a contiguous copy; for an output
     tensor the copy is recorded in ``copies`` to be written back on completion."""
     if tensor.is_contiguous():
@@ -143,7 +141,10 @@ def issue(
 
 
 def _start(
-    pg: ProcessGroup, operation: str, call: Callable[[Backend], Work], backend: Backend,
+    pg: ProcessGroup,
+    operation: str,
+    call: Callable[[Backend], Work],
+    backend: Backend,
     copies: Sequence[tuple["torch.Tensor", "torch.Tensor"]],
 ) -> Work:
     """Call the backend; its Work (wrapped to copy staged outputs back when needed)."""

@@ -22,8 +22,10 @@ def support_table(specs: Sequence[BackendSpec], devices: Sequence[str] = ("cpu",
         label = "recv (any source)" if operation == ANY_SOURCE_OP else operation
         rows.append([label] + [YES if s.supports(operation, d) else NO for s in specs for d in devices])
     # whether torch.distributed can use the backend (as tdist-<name>, and as its default group)
-    rows.append(["torch.distributed"] + [YES if s.torch_bridge is None and d in s.devices else NO
-                                         for s in specs for d in devices])
+    rows.append(
+        ["torch.distributed"]
+        + [YES if s.torch_bridge is None and d in s.devices else NO for s in specs for d in devices]
+    )
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 

@@ -126,7 +126,9 @@ def _parse_backend(backend: Optional[str]) -> tuple[str, dict[str, str]]:
     for part in backend.split(","):
         device, sep, name = part.partition(":")
         if not sep or not device.strip() or not name.strip():
-            raise ValueError(f"backend {backend!r}: expected 'device:backend[,device:backend]', e.g. 'cpu:tcp,cuda:nccl'")
+            raise ValueError(
+                f"backend {backend!r}: expected 'device:backend[,device:backend]', e.g. 'cpu:tcp,cuda:nccl'"
+            )
         mapping[device.strip()] = name.strip()
     return backend, mapping
 
@@ -147,7 +149,9 @@ def _check_rank_args(rank: int, world_size: int, zero_is_unset: bool = False) ->
     if not isinstance(rank, int) or rank < -1:
         raise ValueError(f"init_process_group: rank must be a non-negative integer (or -1), got {rank!r}")
     if world_size > 0 and rank >= world_size:
-        raise ValueError(f"init_process_group: rank {rank} is out of range for world_size {world_size} (0..{world_size - 1})")
+        raise ValueError(
+            f"init_process_group: rank {rank} is out of range for world_size {world_size} (0..{world_size - 1})"
+        )
 
 
 def _rendezvous(
@@ -155,7 +159,9 @@ def _rendezvous(
 ) -> tuple[Store, int, int]:
     url = urllib.parse.urlsplit(init_method)
     if not url.scheme:
-        raise ValueError(f"init_method {init_method!r} has no scheme: expected e.g. env://, tcp://host:port, file:///path")
+        raise ValueError(
+            f"init_method {init_method!r} has no scheme: expected e.g. env://, tcp://host:port, file:///path"
+        )
     handler = plugins().rendezvous.get(url.scheme)
     if handler is None:
         known = ", ".join(f"{s}://" for s in plugins().rendezvous.schemes()) or "none"
@@ -242,7 +248,9 @@ def _build_group(
         for device, backend_name in devices.items():
             spec = _usable_spec(backend_name)
             if device not in spec.devices:
-                raise DistError(f"backend {backend_name!r} does not serve {device} tensors (it serves {', '.join(spec.devices)})")
+                raise DistError(
+                    f"backend {backend_name!r} does not serve {device} tensors (it serves {', '.join(spec.devices)})"
+                )
             if backend_name not in by_name:
                 by_name[backend_name] = spec.factory(
                     store=PrefixStore(backend_name, group_store),

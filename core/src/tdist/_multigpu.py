@@ -40,8 +40,12 @@ def all_reduce_multigpu(
 
 
 def reduce_multigpu(
-    tensor_list: list["torch.Tensor"], dst: int, op: Any = ReduceOp.SUM, group: Any = None,
-    async_op: bool = False, dst_tensor: int = 0,
+    tensor_list: list["torch.Tensor"],
+    dst: int,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    dst_tensor: int = 0,
 ) -> Optional[Work]:
     """Reduce over every tensor of every rank into ``tensor_list[dst_tensor]`` on rank ``dst``."""
     tensors = check_tensor_list("reduce_multigpu", "tensor_list", tensor_list)
@@ -55,7 +59,10 @@ def reduce_multigpu(
         return None
     root = pg.group_rank(dst, "dst")
     return issue(
-        pg, "reduce", tensors[0].device.type, lambda b: b.reduce_multigpu(tensors, root, reduction, dst_tensor),
+        pg,
+        "reduce",
+        tensors[0].device.type,
+        lambda b: b.reduce_multigpu(tensors, root, reduction, dst_tensor),
         async_op,
     )
 
@@ -78,7 +85,9 @@ def broadcast_multigpu(
 
 
 def all_gather_multigpu(
-    output_tensor_lists: list[list["torch.Tensor"]], input_tensor_list: list["torch.Tensor"], group: Any = None,
+    output_tensor_lists: list[list["torch.Tensor"]],
+    input_tensor_list: list["torch.Tensor"],
+    group: Any = None,
     async_op: bool = False,
 ) -> Optional[Work]:
     """``output_tensor_lists[i][k * len(input_tensor_list) + j]`` receives

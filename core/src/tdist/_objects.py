@@ -50,8 +50,13 @@ def _sizes(n: int, device: Any) -> Any:
     return torch.zeros(n, dtype=torch.int64, device=device)
 
 
-def broadcast_object_list(object_list: list[Any], src: Optional[int] = None, group: Any = None, device: Any = None,
-                          group_src: Optional[int] = None) -> None:
+def broadcast_object_list(
+    object_list: list[Any],
+    src: Optional[int] = None,
+    group: Any = None,
+    device: Any = None,
+    group_src: Optional[int] = None,
+) -> None:
     """Replace ``object_list``'s items on every rank with those of rank ``src`` (same length everywhere)."""
     pg = resolve_group(group)
     if pg is None:
@@ -71,7 +76,7 @@ def broadcast_object_list(object_list: list[Any], src: Optional[int] = None, gro
     coll.broadcast(flat, group=group, group_src=root)
     offset = 0
     for i, size in enumerate(sizes.tolist()):
-        object_list[i] = _decode(flat[offset:offset + size], size)
+        object_list[i] = _decode(flat[offset : offset + size], size)
         offset += size
     return None
 
@@ -99,12 +104,17 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
     gathered = padded.new_empty(longest * pg.size)
     coll.all_gather_into_tensor(gathered, padded, group=group)
     for i, size in enumerate(sizes):
-        object_list[i] = _decode(gathered[i * longest:(i + 1) * longest], size)
+        object_list[i] = _decode(gathered[i * longest : (i + 1) * longest], size)
     return None
 
 
-def gather_object(obj: Any, object_gather_list: Optional[list[Any]] = None, dst: Optional[int] = None,
-                  group: Any = None, group_dst: Optional[int] = None) -> None:
+def gather_object(
+    obj: Any,
+    object_gather_list: Optional[list[Any]] = None,
+    dst: Optional[int] = None,
+    group: Any = None,
+    group_dst: Optional[int] = None,
+) -> None:
     """On rank ``dst`` (default: the group's first; or group rank ``group_dst``),
     ``object_gather_list[i]`` receives rank i's ``obj``. Only the destination unpickles."""
     pg = resolve_group(group)
@@ -121,8 +131,13 @@ def gather_object(obj: Any, object_gather_list: Optional[list[Any]] = None, dst:
     return None
 
 
-def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: Optional[list[Any]] = None,
-                        src: Optional[int] = None, group: Any = None, group_src: Optional[int] = None) -> None:
+def scatter_object_list(
+    scatter_object_output_list: list[Any],
+    scatter_object_input_list: Optional[list[Any]] = None,
+    src: Optional[int] = None,
+    group: Any = None,
+    group_src: Optional[int] = None,
+) -> None:
     """``scatter_object_output_list[0]`` receives item i of rank ``src``'s input list on rank i
     (``src`` default: the group's first; or group rank ``group_src``)."""
     pg = resolve_group(group)
@@ -139,8 +154,14 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     return None
 
 
-def send_object_list(object_list: list[Any], dst: Optional[int] = None, group: Any = None, device: Any = None,
-                     group_dst: Optional[int] = None, use_batch: bool = False) -> None:
+def send_object_list(
+    object_list: list[Any],
+    dst: Optional[int] = None,
+    group: Any = None,
+    device: Any = None,
+    group_dst: Optional[int] = None,
+    use_batch: bool = False,
+) -> None:
     """Send the objects of ``object_list`` to rank ``dst`` (or group rank ``group_dst``), as
     tensors on ``device`` (default: CPU when the group serves it); see :func:`recv_object_list`.
     ``use_batch`` is accepted for torch compatibility: the two messages (sizes, then the
@@ -160,8 +181,14 @@ def send_object_list(object_list: list[Any], dst: Optional[int] = None, group: A
     p2p.send(torch.cat(payloads) if payloads else sizes.new_empty(0, dtype=torch.uint8), dst, group=group)
 
 
-def recv_object_list(object_list: list[Any], src: Optional[int] = None, group: Any = None, device: Any = None,
-                     group_src: Optional[int] = None, use_batch: bool = False) -> int:
+def recv_object_list(
+    object_list: list[Any],
+    src: Optional[int] = None,
+    group: Any = None,
+    device: Any = None,
+    group_src: Optional[int] = None,
+    use_batch: bool = False,
+) -> int:
     """Fill ``object_list`` (same length as the sender's) with objects sent by ``src`` (or
     group rank ``group_src``; neither: any rank); returns the sender's global rank.
     ``device`` and ``use_batch`` as in :func:`send_object_list`."""
@@ -180,6 +207,6 @@ def recv_object_list(object_list: list[Any], src: Optional[int] = None, group: A
     p2p.recv(flat, sender, group=group)
     offset = 0
     for i, size in enumerate(sizes.tolist()):
-        object_list[i] = _decode(flat[offset:offset + size], size)
+        object_list[i] = _decode(flat[offset : offset + size], size)
         offset += size
     return sender

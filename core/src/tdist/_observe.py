@@ -32,8 +32,14 @@ _SEEN = "_tdist_observed"
 
 
 def describe(
-    pg: "ProcessGroup", operation: str, seq: int, tensors: Sequence["torch.Tensor"],
-    reduction: Any = None, root: Optional[int] = None, peer: Optional[int] = None, tag: Optional[int] = None,
+    pg: "ProcessGroup",
+    operation: str,
+    seq: int,
+    tensors: Sequence["torch.Tensor"],
+    reduction: Any = None,
+    root: Optional[int] = None,
+    peer: Optional[int] = None,
+    tag: Optional[int] = None,
 ) -> WorkInfo:
     """The WorkInfo of ``operation`` on ``pg``; ``root`` and ``peer`` are group ranks."""
     ranks = pg.ranks
@@ -44,10 +50,20 @@ def describe(
         shapes = [t.shape for t in tensors]
         dtype, nbytes = str(tensors[0].dtype) if tensors else "", sum(t.nbytes for t in tensors)
     return WorkInfo(
-        operation, pg.name, seq, shapes, dtype, nbytes, pg.backend_name, time.perf_counter(), ranks[pg.rank],
+        operation,
+        pg.name,
+        seq,
+        shapes,
+        dtype,
+        nbytes,
+        pg.backend_name,
+        time.perf_counter(),
+        ranks[pg.rank],
         tuple(ranks),
-        None if reduction is None else reduction.name, None if root is None else ranks[root],
-        None if peer is None else ranks[peer], tag,
+        None if reduction is None else reduction.name,
+        None if root is None else ranks[root],
+        None if peer is None else ranks[peer],
+        tag,
     )
 
 
@@ -101,8 +117,17 @@ def _rejected_info(operation: str, kwargs: dict) -> WorkInfo:
         pg = world
     if pg is None:
         return WorkInfo(op=operation, group="", seq=0, shapes=[], dtype="", nbytes=0, backend="")
-    return WorkInfo(op=operation, group=pg.name, seq=0, shapes=[], dtype="", nbytes=0, backend=pg.backend_name,
-                    rank=pg.ranks[pg.rank], group_ranks=tuple(pg.ranks))
+    return WorkInfo(
+        op=operation,
+        group=pg.name,
+        seq=0,
+        shapes=[],
+        dtype="",
+        nbytes=0,
+        backend=pg.backend_name,
+        rank=pg.ranks[pg.rank],
+        group_ranks=tuple(pg.ranks),
+    )
 
 
 def rejected(operation: str) -> Callable[[_F], _F]:

@@ -40,8 +40,9 @@ def _isend(
         return None, None
     peer = peer_rank(operation, pg, "dst", dst, group_dst, allow_self=False)
     t = contiguous_view(tensor, None, output=False)
-    return pg, issue(pg, "send", tensor.device.type, lambda b: b.send(t, peer, tag), True, (), (tensor,),
-                     peer=peer, tag=tag)
+    return pg, issue(
+        pg, "send", tensor.device.type, lambda b: b.send(t, peer, tag), True, (), (tensor,), peer=peer, tag=tag
+    )
 
 
 def _irecv(
@@ -62,13 +63,17 @@ def _irecv(
         peer = peer_rank(operation, pg, "src", src, group_src, allow_self=False)
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
-    return pg, issue(pg, "recv", tensor.device.type, lambda b: b.recv(t, peer, tag), True, copies, (tensor,),
-                     peer=peer, tag=tag)
+    return pg, issue(
+        pg, "recv", tensor.device.type, lambda b: b.recv(t, peer, tag), True, copies, (tensor,), peer=peer, tag=tag
+    )
 
 
 @rejected("isend")
 def isend(
-    tensor: "torch.Tensor", dst: Optional[int] = None, group: Any = None, tag: int = 0,
+    tensor: "torch.Tensor",
+    dst: Optional[int] = None,
+    group: Any = None,
+    tag: int = 0,
     group_dst: Optional[int] = None,
 ) -> Optional[Work]:
     """Start sending ``tensor`` to global rank ``dst``; returns a Work. Do not modify
@@ -78,7 +83,10 @@ def isend(
 
 @rejected("irecv")
 def irecv(
-    tensor: "torch.Tensor", src: Optional[int] = None, group: Any = None, tag: int = 0,
+    tensor: "torch.Tensor",
+    src: Optional[int] = None,
+    group: Any = None,
+    tag: int = 0,
     group_src: Optional[int] = None,
 ) -> Optional[Work]:
     """Start receiving into ``tensor`` from global rank ``src`` (None: any rank);
@@ -88,7 +96,10 @@ def irecv(
 
 @rejected("send")
 def send(
-    tensor: "torch.Tensor", dst: Optional[int] = None, group: Any = None, tag: int = 0,
+    tensor: "torch.Tensor",
+    dst: Optional[int] = None,
+    group: Any = None,
+    tag: int = 0,
     group_dst: Optional[int] = None,
 ) -> None:
     """Send ``tensor`` to global rank ``dst``; blocks until the backend has taken it."""
@@ -99,7 +110,10 @@ def send(
 
 @rejected("recv")
 def recv(
-    tensor: "torch.Tensor", src: Optional[int] = None, group: Any = None, tag: int = 0,
+    tensor: "torch.Tensor",
+    src: Optional[int] = None,
+    group: Any = None,
+    tag: int = 0,
     group_src: Optional[int] = None,
 ) -> int:
     """Receive into ``tensor`` from global rank ``src`` (None: from any rank).

@@ -232,8 +232,11 @@ def _unknown_hook_error(pm: pluggy.PluginManager) -> Optional[str]:
         pass
     else:
         return None
-    unknown = sorted(name for name in vars(pm.hook) if not name.startswith("_")
-                     and not getattr(pm.hook, name).has_spec() and getattr(pm.hook, name).get_hookimpls())
+    unknown = sorted(
+        name
+        for name in vars(pm.hook)
+        if not name.startswith("_") and not getattr(pm.hook, name).has_spec() and getattr(pm.hook, name).get_hookimpls()
+    )
     hints = []
     for name in unknown:
         close = difflib.get_close_matches(name, _hook_names(), n=1)
@@ -352,7 +355,9 @@ class Plugins:
         if any(impl.hookwrapper or getattr(impl, "wrapper", False) for impl in impls):  # pluggy must call
             calls: list[tuple[str, Callable[..., Any], dict[str, Any]]] = [("(all, with wrappers)", caller, kwargs)]
         else:  # pluggy's call order; each gets only the arguments it declares (older contracts declare fewer)
-            calls = [(impl.plugin_name, impl.function, {k: kwargs[k] for k in impl.argnames}) for impl in reversed(impls)]
+            calls = [
+                (impl.plugin_name, impl.function, {k: kwargs[k] for k in impl.argnames}) for impl in reversed(impls)
+            ]
         for name, call, arguments in calls:
             try:
                 call(**arguments)

@@ -99,5 +99,10 @@ def supports_complex(reduceOp: Any) -> bool:
     """Whether ``reduceOp`` can reduce complex tensors (not MIN, MAX, PRODUCT or a bitwise op)."""
     code = reduceOp if isinstance(reduceOp, ReduceOp) else as_reduction(reduceOp).op
     return code not in (
-        ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR,
+        ReduceOp.MIN,
+        ReduceOp.MAX,
+        ReduceOp.PRODUCT,
+        ReduceOp.BAND,
+        ReduceOp.BOR,
+        ReduceOp.BXOR,
     )

@@ -41,7 +41,7 @@ def new_subgroups(
     if group_size > size or size % group_size:
         raise ValueError(f"new_subgroups: group_size {group_size} must divide the group's size {size}")
     ranks = get_process_group_ranks(group)
-    chunks = [ranks[i:i + group_size] for i in range(0, size, group_size)]
+    chunks = [ranks[i : i + group_size] for i in range(0, size, group_size)]
     return new_subgroups_by_enumeration(chunks, timeout, backend, pg_options, group_desc)
 
 

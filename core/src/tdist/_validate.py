@@ -10,8 +10,16 @@ from ._groups import ProcessGroup
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_tensor", "check_tensor_list", "peer_rank", "check_same_dtype", "check_whole", "check_root",
-           "check_all_to_all_splits", "check_splits"]
+__all__ = [
+    "check_tensor",
+    "check_tensor_list",
+    "peer_rank",
+    "check_same_dtype",
+    "check_whole",
+    "check_root",
+    "check_all_to_all_splits",
+    "check_splits",
+]
 
 
 def _torch() -> Any:
@@ -31,7 +39,11 @@ def check_tensor(operation: str, name: str, tensor: Any) -> "torch.Tensor":
 
 
 def check_tensor_list(
-    operation: str, name: str, tensors: Any, length: Optional[int] = None, like: Optional["torch.Tensor"] = None,
+    operation: str,
+    name: str,
+    tensors: Any,
+    length: Optional[int] = None,
+    like: Optional["torch.Tensor"] = None,
     same_numel: bool = True,
 ) -> list["torch.Tensor"]:
     """A non-empty list of tensors, of ``length`` items, each of ``like``'s dtype and
@@ -85,8 +97,13 @@ def check_root(operation: str, pg: ProcessGroup, name: str, group_rank: int, all
 
 
 def peer_rank(
-    operation: str, pg: ProcessGroup, name: str, global_rank: Optional[int], group_rank: Optional[int],
-    allow_self: bool = True, default: Optional[int] = None,
+    operation: str,
+    pg: ProcessGroup,
+    name: str,
+    global_rank: Optional[int],
+    group_rank: Optional[int],
+    allow_self: bool = True,
+    default: Optional[int] = None,
 ) -> int:
     """The group rank named by a global ``name=`` or a ``group_name=`` argument."""
     if global_rank is not None and group_rank is not None:
@@ -132,8 +149,11 @@ def check_splits(operation: str, name: str, splits: Optional[Sequence[int]], dim
 
 
 def check_all_to_all_splits(
-    output: "torch.Tensor", input: "torch.Tensor", output_split_sizes: Optional[Sequence[int]],
-    input_split_sizes: Optional[Sequence[int]], size: int,
+    output: "torch.Tensor",
+    input: "torch.Tensor",
+    output_split_sizes: Optional[Sequence[int]],
+    input_split_sizes: Optional[Sequence[int]],
+    size: int,
 ) -> tuple[list[int], list[int]]:
     """all_to_all_single's (output, input) split sizes along dim 0, checked: even splits
     when not given, tensors of at least one dimension that agree beyond dim 0."""

@@ -89,8 +89,9 @@ class Work:
         with _STATE_LOCK:
             if self._done:
                 state = f"failed with {type(self._exc).__name__}" if self._exc is not None else "succeeded"
-                raise DistError(f"{self.op}: {how}() on a Work that already {state}; a backend completes "
-                                "each Work exactly once")
+                raise DistError(
+                    f"{self.op}: {how}() on a Work that already {state}; a backend completes each Work exactly once"
+                )
             self._result, self._source_rank, self._exc = result, source_rank, exc
             self._done = True
             event = self._event
@@ -205,4 +206,3 @@ class Work:
     def __repr__(self) -> str:
         state = "pending" if not self.is_completed() else ("failed" if self._exc else "done")
         return f"<Work {self.op} {state}>"
-

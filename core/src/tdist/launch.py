@@ -86,8 +86,16 @@ from ._launch.workers import describe_status, exit_status, write_locked
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
-__all__ = ["main", "launch_module_main", "launch", "parse_args", "get_args_parser", "launch_config",
-           "DEFAULT_MASTER_PORT", "DEFAULT_GRACE_PERIOD"]
+__all__ = [
+    "main",
+    "launch_module_main",
+    "launch",
+    "parse_args",
+    "get_args_parser",
+    "launch_config",
+    "DEFAULT_MASTER_PORT",
+    "DEFAULT_GRACE_PERIOD",
+]
 
 #: torchrun's port for a static rendezvous when none is given.
 DEFAULT_MASTER_PORT = 29500
@@ -113,25 +121,53 @@ def get_args_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = torchrun_parser()
     parser.prog = prog
     parser.description = "Start the workers of a training script on this node, as torchrun does (tdist's launcher)."
-    parser.epilog = ("Workers get torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, "
-                     "TORCHELASTIC_*, ...). See tdist's docs: guide/launch.")
-    parser.add_argument("--use-env", "--use_env", dest="use_env", action="store_true",
-                        help="do not pass --local_rank to the script (python -m tdist.launch; tdistrun never passes "
-                        "it unless --local-rank-arg is given)")
-    parser.add_argument("--local-rank-arg", "--local_rank_arg", dest="local_rank_arg", default=None,
-                        choices=("local_rank", "local-rank"),
-                        help="pass --local_rank=N (python -m tdist.launch's default) or torch 2.x's --local-rank=N "
-                        "to the script")
-    parser.add_argument("--no-prefix", "--no_prefix", dest="no_prefix", action="store_true",
-                        help="do not prefix each output line with '[rank N] ' (workers write to the launcher's "
-                        "stdout and stderr directly)")
-    parser.add_argument("--grace-period", "--grace_period", dest="grace_period", type=float, default=None,
-                        help="seconds between SIGTERM (or a forwarded signal) and SIGKILL when stopping workers "
-                        "(default: --shutdown-timeout, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "
-                        f"else {DEFAULT_GRACE_PERIOD:g})")
-    parser.add_argument("--debug-dump", "--debug_dump", dest="debug_dump", default=None, metavar="DIR",
-                        help="turn tdist-debug's flight recorder on in every worker (dumps to DIR on failure, "
-                        "timeout, SIGUSR1 and exit) and print its analysis when the job fails")
+    parser.epilog = (
+        "Workers get torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, "
+        "TORCHELASTIC_*, ...). See tdist's docs: guide/launch."
+    )
+    parser.add_argument(
+        "--use-env",
+        "--use_env",
+        dest="use_env",
+        action="store_true",
+        help="do not pass --local_rank to the script (python -m tdist.launch; tdistrun never passes "
+        "it unless --local-rank-arg is given)",
+    )
+    parser.add_argument(
+        "--local-rank-arg",
+        "--local_rank_arg",
+        dest="local_rank_arg",
+        default=None,
+        choices=("local_rank", "local-rank"),
+        help="pass --local_rank=N (python -m tdist.launch's default) or torch 2.x's --local-rank=N to the script",
+    )
+    parser.add_argument(
+        "--no-prefix",
+        "--no_prefix",
+        dest="no_prefix",
+        action="store_true",
+        help="do not prefix each output line with '[rank N] ' (workers write to the launcher's "
+        "stdout and stderr directly)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        "--grace_period",
+        dest="grace_period",
+        type=float,
+        default=None,
+        help="seconds between SIGTERM (or a forwarded signal) and SIGKILL when stopping workers "
+        "(default: --shutdown-timeout, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "
+        f"else {DEFAULT_GRACE_PERIOD:g})",
+    )
+    parser.add_argument(
+        "--debug-dump",
+        "--debug_dump",
+        dest="debug_dump",
+        default=None,
+        metavar="DIR",
+        help="turn tdist-debug's flight recorder on in every worker (dumps to DIR on failure, "
+        "timeout, SIGUSR1 and exit) and print its analysis when the job fails",
+    )
     return parser
 
 
@@ -161,14 +197,17 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, launch_mod
         try:
             Std.from_str(getattr(args, name))
         except ValueError:
-            parser.error(f"--{name} {getattr(args, name)!r}: expected 0-3 (1 stdout, 2 stderr, 3 both) "
-                         "or local_rank:value pairs such as 0:3,1:1")
+            parser.error(
+                f"--{name} {getattr(args, name)!r}: expected 0-3 (1 stdout, 2 stderr, 3 both) "
+                "or local_rank:value pairs such as 0:3,1:1"
+            )
     if args.local_ranks_filter:
         try:
             {int(r) for r in args.local_ranks_filter.split(",")}
         except ValueError:
-            parser.error(f"--local-ranks-filter must be local ranks separated by commas (0,1,2), "
-                         f"got {args.local_ranks_filter!r}")
+            parser.error(
+                f"--local-ranks-filter must be local ranks separated by commas (0,1,2), got {args.local_ranks_filter!r}"
+            )
     if args.no_python and args.module:
         parser.error("--no_python and --module cannot be used together")
     if args.use_env and args.local_rank_arg:
@@ -227,8 +266,12 @@ def launch_config(args: argparse.Namespace) -> tuple["LaunchConfig", str, list[s
     workers' program and arguments."""
     from torch.distributed.run import config_from_args, determine_local_world_size, parse_min_max_nnodes
 
-    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
-                           and parse_min_max_nnodes(args.nnodes)[1] == 1):
+    if args.standalone or (
+        args.rdzv_backend == "static"
+        and not args.rdzv_endpoint
+        and args.master_port is None
+        and parse_min_max_nnodes(args.nnodes)[1] == 1
+    ):
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = DEFAULT_MASTER_PORT
@@ -298,8 +341,10 @@ def launch(args: argparse.Namespace) -> int:
     from ._store.tcp_store import TOKEN_ENV
 
     if os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1":
-        log("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is ignored: the workers join the agent's store, which listens "
-            "from the agent's start (torchrun would pick a free port and leave it free until rank 0 binds it)")
+        log(
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is ignored: the workers join the agent's store, which listens "
+            "from the agent's start (torchrun would pick a free port and leave it free until rank 0 binds it)"
+        )
     own_log_dir = None
     if args.log_dir is None:
         own_log_dir = args.log_dir = tempfile.mkdtemp(prefix="tdistrun-")
@@ -309,16 +354,25 @@ def launch(args: argparse.Namespace) -> int:
         config, program, program_args = launch_config(args)
         if os.environ.get(TOKEN_ENV):
             tdist_store = _host_tdist_store(config)
-        template = None if args.no_prefix else os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
-                                                              DEFAULT_PREFIX_TEMPLATE)
+        template = (
+            None if args.no_prefix else os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", DEFAULT_PREFIX_TEMPLATE)
+        )
         extra_env = {}
         if args.debug_dump is not None:
             from ._launch import debug
 
             debug.clear_old_dumps(args.debug_dump)
             extra_env = debug.worker_env(args.debug_dump)
-        agent = create_agent(config, program, program_args, grace_period=_grace_period(args),
-                             prefix_template=template, tdist_store=tdist_store, log=log, extra_env=extra_env)
+        agent = create_agent(
+            config,
+            program,
+            program_args,
+            grace_period=_grace_period(args),
+            prefix_template=template,
+            tdist_store=tdist_store,
+            log=log,
+            extra_env=extra_env,
+        )
         status = _report(agent, run_agent(agent, config))
         if status and args.debug_dump is not None:
             debug.verdict(args.debug_dump, log)

@@ -46,24 +46,62 @@ from .reduction import check_reduction, combine_, finalize_, premul_factor, pres
 
 __all__ = [
     # registration
-    "hookimpl", "HOOKSPEC_VERSION", "BackendRegistry", "RendezvousRegistry", "RendezvousHandler",
-    "BackendSpec", "BackendFactory", "OPERATIONS", "ANY_SOURCE_OP", "FEATURES", "LAUNCHERS",
+    "hookimpl",
+    "HOOKSPEC_VERSION",
+    "BackendRegistry",
+    "RendezvousRegistry",
+    "RendezvousHandler",
+    "BackendSpec",
+    "BackendFactory",
+    "OPERATIONS",
+    "ANY_SOURCE_OP",
+    "FEATURES",
+    "LAUNCHERS",
     # the backend and its Work
-    "Backend", "Work", "WorkInfo", "Timeout", "seconds",
+    "Backend",
+    "Work",
+    "WorkInfo",
+    "Timeout",
+    "seconds",
     # reductions
-    "ReduceOp", "Reduction", "as_reduction", "check_reduction", "combine_", "prescale_", "prescaled", "finalize_",
+    "ReduceOp",
+    "Reduction",
+    "as_reduction",
+    "check_reduction",
+    "combine_",
+    "prescale_",
+    "prescaled",
+    "finalize_",
     "premul_factor",
     # errors
-    "DistError", "DistBackendError", "DistBackendTimeoutError", "DistNetworkError", "DistStateError",
-    "DistStoreError", "DistStoreTimeoutError",
+    "DistError",
+    "DistBackendError",
+    "DistBackendTimeoutError",
+    "DistNetworkError",
+    "DistStateError",
+    "DistStoreError",
+    "DistStoreTimeoutError",
     # in-process registration
-    "register_plugin", "registered_plugins",
+    "register_plugin",
+    "registered_plugins",
     # TLS (the store's and the tcp backend's): configuration and the helpers a TLS transport needs
-    "TlsConfig", "TlsError", "describe_ssl_error", "TLS_RECORD_TYPE", "WOULD_BLOCK",
+    "TlsConfig",
+    "TlsError",
+    "describe_ssl_error",
+    "TLS_RECORD_TYPE",
+    "WOULD_BLOCK",
     # settings and addresses
-    "flag", "local_address_for", "route_address", "store_endpoint",
+    "flag",
+    "local_address_for",
+    "route_address",
+    "store_endpoint",
     # stores
-    "Store", "HashStore", "PrefixStore", "FileStore", "TCPStore", "QueueEmptyError",
+    "Store",
+    "HashStore",
+    "PrefixStore",
+    "FileStore",
+    "TCPStore",
+    "QueueEmptyError",
 ]
 
 

@@ -88,9 +88,7 @@ def check_reduction(op: Reduction, dtype: Any, backend_name: str = "reduce") -> 
     kind = _kind(dtype)
     if code in _BITWISE:
         if kind not in ("int", "bool"):
-            raise TypeError(
-                f"{backend_name}: ReduceOp.{code.name} needs an integer or bool tensor, got {dtype}"
-            )
+            raise TypeError(f"{backend_name}: ReduceOp.{code.name} needs an integer or bool tensor, got {dtype}")
     elif code is ReduceOp.AVG:
         if kind not in ("float", "complex"):
             raise TypeError(

@@ -21,8 +21,9 @@ def _free_port() -> int:
 
 
 def _call(url: str, rank: int = -1, world_size: int = -1, group_name: str = ""):
-    return indexed_rendezvous(urllib.parse.urlsplit(url), rank=rank, world_size=world_size, timeout=10.0,
-                              group_name=group_name)
+    return indexed_rendezvous(
+        urllib.parse.urlsplit(url), rank=rank, world_size=world_size, timeout=10.0, group_name=group_name
+    )
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,9 @@ def test_registered_through_tdist():
 
 
 def test_importing_the_plugin_imports_no_torch():
-    code = "import sys, tdist_template.plugin; print([m for m in ('torch', 'tdist_template.backend') if m in sys.modules])"
+    code = (
+        "import sys, tdist_template.plugin; print([m for m in ('torch', 'tdist_template.backend') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
 

@@ -16,10 +16,32 @@ from tdist import DistBackendTimeoutError, WorkInfo
 RANKS = (0, 1, 2)
 
 
-def _info(rank: int, seq: int, op: str = "all_reduce", dtype: str = "torch.float32", nbytes: int = 16,
-          reduce_op=None, root=None, peer=None, shapes=((4,),)) -> WorkInfo:
-    return WorkInfo(op, "pg0", seq, [tuple(s) for s in shapes], dtype, nbytes, "tcp", rank=rank, group_ranks=RANKS,
-                    reduce_op=reduce_op, root=root, peer=peer, tag=0 if peer is not None else None)
+def _info(
+    rank: int,
+    seq: int,
+    op: str = "all_reduce",
+    dtype: str = "torch.float32",
+    nbytes: int = 16,
+    reduce_op=None,
+    root=None,
+    peer=None,
+    shapes=((4,),),
+) -> WorkInfo:
+    return WorkInfo(
+        op,
+        "pg0",
+        seq,
+        [tuple(s) for s in shapes],
+        dtype,
+        nbytes,
+        "tcp",
+        rank=rank,
+        group_ranks=RANKS,
+        reduce_op=reduce_op,
+        root=root,
+        peer=peer,
+        tag=0 if peer is not None else None,
+    )
 
 
 def _recorders(tmp_path, capacity: int = 100) -> dict[int, Recorder]:
@@ -35,15 +57,27 @@ def _run(recorder: Recorder, info: WorkInfo, ok: bool = True) -> None:
         recorder.completed(info, 0.001)
 
 
-@pytest.mark.parametrize("field, values, words", [
-    ("op", ("all_reduce", "broadcast"),
-     "disagree on the operation: rank(s) [0, 2] called all_reduce; rank(s) [1] called broadcast"),
-    ("dtype", ("torch.float32", "torch.int64"),
-     "disagree on the dtype: rank(s) [0, 2] passed torch.float32; rank(s) [1] passed torch.int64"),
-    ("nbytes", (16, 32), "disagree on the size: rank(s) [0, 2] passed 16 B; rank(s) [1] passed 32 B"),
-    ("reduce_op", ("SUM", "MAX"),
-     "disagree on the reduction: rank(s) [0, 2] reduced with SUM; rank(s) [1] reduced with MAX"),
-])
+@pytest.mark.parametrize(
+    "field, values, words",
+    [
+        (
+            "op",
+            ("all_reduce", "broadcast"),
+            "disagree on the operation: rank(s) [0, 2] called all_reduce; rank(s) [1] called broadcast",
+        ),
+        (
+            "dtype",
+            ("torch.float32", "torch.int64"),
+            "disagree on the dtype: rank(s) [0, 2] passed torch.float32; rank(s) [1] passed torch.int64",
+        ),
+        ("nbytes", (16, 32), "disagree on the size: rank(s) [0, 2] passed 16 B; rank(s) [1] passed 32 B"),
+        (
+            "reduce_op",
+            ("SUM", "MAX"),
+            "disagree on the reduction: rank(s) [0, 2] reduced with SUM; rank(s) [1] reduced with MAX",
+        ),
+    ],
+)
 def test_divergence_names_the_field_and_both_sides(tmp_path, field, values, words):
     recorders = _recorders(tmp_path)
     for rank, recorder in recorders.items():

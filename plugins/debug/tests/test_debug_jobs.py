@@ -25,8 +25,11 @@ TDISTRUN = [sys.executable, "-c", "import sys; from tdist.launch import main; sy
 
 
 def tdistrun(nproc: int, dump_dir: Path, *args: str, launcher=TDISTRUN):
-    [result] = run_job([[*launcher, "--nproc-per-node", str(nproc), "--grace-period", "1",
-                         "--debug-dump", str(dump_dir), *args]], [base_env()], timeout=120)
+    [result] = run_job(
+        [[*launcher, "--nproc-per-node", str(nproc), "--grace-period", "1", "--debug-dump", str(dump_dir), *args]],
+        [base_env()],
+        timeout=120,
+    )
     return result
 
 
@@ -52,19 +55,46 @@ def test_stopped_rank_left_no_dump_and_is_named(tmp_path):
 def test_mismatched_broadcast_root_on_gloo_names_both_roots(tmp_path):
     result = tdistrun(2, tmp_path, FAULTY, "gloo", "root", "4")
     assert result.returncode != 0, result.stderr[-3000:]
-    assert ("DIVERGED at collective #2 of group pg0: the ranks disagree on the root: "
-            "rank(s) [0] used root 0; rank(s) [1] used root 1") in result.stderr, result.stderr[-3000:]
+    assert (
+        "DIVERGED at collective #2 of group pg0: the ranks disagree on the root: "
+        "rank(s) [0] used root 0; rank(s) [1] used root 1"
+    ) in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.skipif(not find_mpirun() or not tdist.is_backend_available("mpi"), reason="mpirun or tdist-mpi missing")
 def test_mismatched_broadcast_root_on_mpi_under_mpirun(tmp_path):
     session = tempfile.mkdtemp(dir=tmp_path)
-    env = mpirun_env(base_env(TDIST_DEBUG_RECORDER="100", TDIST_DEBUG_DUMP_DIR=str(tmp_path / "dumps"),
-                              TDIST_DEBUG_DUMP_AT_EXIT="1"), session)
-    run_job([[find_mpirun(), "-n", "2", "--oversubscribe", "--bind-to", "none", "-x", "TDIST_DEBUG_RECORDER",
-              "-x", "TDIST_DEBUG_DUMP_DIR", "-x", "TDIST_DEBUG_DUMP_AT_EXIT", sys.executable, FAULTY,
-              "mpi", "root", "4"]],
-            [env], timeout=90)
+    env = mpirun_env(
+        base_env(
+            TDIST_DEBUG_RECORDER="100", TDIST_DEBUG_DUMP_DIR=str(tmp_path / "dumps"), TDIST_DEBUG_DUMP_AT_EXIT="1"
+        ),
+        session,
+    )
+    run_job(
+        [
+            [
+                find_mpirun(),
+                "-n",
+                "2",
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+                "-x",
+                "TDIST_DEBUG_RECORDER",
+                "-x",
+                "TDIST_DEBUG_DUMP_DIR",
+                "-x",
+                "TDIST_DEBUG_DUMP_AT_EXIT",
+                sys.executable,
+                FAULTY,
+                "mpi",
+                "root",
+                "4",
+            ]
+        ],
+        [env],
+        timeout=90,
+    )
     [analysis] = run_job([[sys.executable, "-m", "tdist_debug", "analyze", str(tmp_path / "dumps")]], [base_env()], 60)
     assert analysis.returncode == 0, analysis.stderr
     assert "rank(s) [0] used root 0; rank(s) [1] used root 1" in analysis.stdout, analysis.stdout
@@ -101,23 +131,37 @@ def test_recorder_off_unless_enabled_sigusr1_dump_and_chrome_trace(tmp_path):
 def _probe_jobs(tmp_path: Path, probe: Path) -> None:
     [off] = python_job([str(probe)], 1, timeout=60)
     assert off.returncode == 0 and json.loads(off.stdout)["observing"] is False, off.stderr  # installed, not enabled
-    on = python_job([str(probe)], 2, timeout=60, TDIST_DEBUG_RECORDER="2", TDIST_DEBUG_DUMP_DIR=str(tmp_path / "d"),
-                    TDIST_DEBUG_TRACE="1")
+    on = python_job(
+        [str(probe)],
+        2,
+        timeout=60,
+        TDIST_DEBUG_RECORDER="2",
+        TDIST_DEBUG_DUMP_DIR=str(tmp_path / "d"),
+        TDIST_DEBUG_TRACE="1",
+    )
     assert all(r.returncode == 0 and json.loads(r.stdout)["observing"] for r in on), [r.stderr for r in on]
     dump = json.loads((tmp_path / "d" / "rank1.json").read_text())
     assert dump["reason"] == "SIGUSR1" and dump["groups"]["pg0"]["ranks"] == [0, 1]
-    assert [(e["op"], e["seq"], e["state"]) for e in dump["entries"]] == [("all_reduce", 2, "completed"),
-                                                                       ("all_reduce", 3, "completed")]  # last 2 kept
-    [merged] = run_job([[sys.executable, "-m", "tdist_debug", "trace", str(tmp_path / "d"), "-o",
-                         str(tmp_path / "trace.json")]], [base_env()], 60)
+    assert [(e["op"], e["seq"], e["state"]) for e in dump["entries"]] == [
+        ("all_reduce", 2, "completed"),
+        ("all_reduce", 3, "completed"),
+    ]  # last 2 kept
+    [merged] = run_job(
+        [[sys.executable, "-m", "tdist_debug", "trace", str(tmp_path / "d"), "-o", str(tmp_path / "trace.json")]],
+        [base_env()],
+        60,
+    )
     assert merged.returncode == 0, merged.stderr
     events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
     assert sorted((e["pid"], e["name"]) for e in events) == [(r, f"all_reduce #{s}") for r in (0, 1) for s in (1, 2, 3)]
 
 
 def test_debug_dump_without_tdist_debug_is_a_clear_error(tmp_path):
-    hidden = [sys.executable, "-c", "import sys; sys.modules['tdist_debug'] = None; "
-              "from tdist.launch import main; sys.exit(main())"]
+    hidden = [
+        sys.executable,
+        "-c",
+        "import sys; sys.modules['tdist_debug'] = None; from tdist.launch import main; sys.exit(main())",
+    ]
     result = tdistrun(1, tmp_path, FAULTY, "tcp", "skip", "5", launcher=hidden)
     assert result.returncode == 2, result.stderr
     assert "--debug-dump needs the flight recorder, which is not installed: pip install tdist-debug" in result.stderr

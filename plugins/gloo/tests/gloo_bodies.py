@@ -16,8 +16,13 @@ def _init(timeout: float = 30.0, init_method: str = "env://", torch_bridge: bool
     import tdist
 
     tdist.init_process_group(
-        "gloo", init_method=init_method, timeout=timedelta(seconds=timeout), pg_options=options or None,
-        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), torch_bridge=torch_bridge,
+        "gloo",
+        init_method=init_method,
+        timeout=timedelta(seconds=timeout),
+        pg_options=options or None,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        torch_bridge=torch_bridge,
     )
     return tdist
 
@@ -74,6 +79,7 @@ def emulated_reductions(rank: int, world_size: int) -> int:
     for dtype in int_dtypes:
         unsigned = not dtype.is_signed
         for op in ops:
+
             def inp(r: int, count: int = n) -> Any:
                 x = _ints(r, count)
                 return (x.abs() if unsigned else x).to(torch.int64)
@@ -87,7 +93,7 @@ def emulated_reductions(rank: int, world_size: int) -> int:
             if rank == world_size - 1:
                 _eq(t, want.to(dtype), f"reduce {op} {dtype}")
             whole = [inp(r, n * world_size) for r in range(world_size)]
-            want_chunk = _exact(op, [w[rank * n:(rank + 1) * n] for w in whole]).to(dtype)
+            want_chunk = _exact(op, [w[rank * n : (rank + 1) * n] for w in whole]).to(dtype)
             out = torch.zeros(n, dtype=dtype)
             mine = whole[rank].to(dtype)
             keep = mine.clone()
@@ -114,11 +120,19 @@ def emulated_reductions(rank: int, world_size: int) -> int:
             elif op == "PRODUCT":
                 want = xs[0].clone()
                 for x in xs[1:]:
-                    want = torch.tensor([((a * b) % 2**64) - (2**64 if (a * b) % 2**64 >= 2**63 else 0)
-                                         for a, b in zip(want.tolist(), x.tolist())])
+                    want = torch.tensor(
+                        [
+                            ((a * b) % 2**64) - (2**64 if (a * b) % 2**64 >= 2**63 else 0)
+                            for a, b in zip(want.tolist(), x.tolist())
+                        ]
+                    )
             elif op == "SUM":
-                want = torch.tensor([((sum(col)) % 2**64) - (2**64 if sum(col) % 2**64 >= 2**63 else 0)
-                                     for col in zip(*[x.tolist() for x in xs])])
+                want = torch.tensor(
+                    [
+                        ((sum(col)) % 2**64) - (2**64 if sum(col) % 2**64 >= 2**63 else 0)
+                        for col in zip(*[x.tolist() for x in xs])
+                    ]
+                )
             else:
                 want = _exact(op, xs)
             t = big(rank).view(u64)
@@ -163,11 +177,11 @@ def premul_avg_complex(rank: int, world_size: int) -> int:
         out = torch.zeros(n)
         mine = x[rank].clone()
         dist.reduce_scatter_tensor(out, mine, op=op)
-        _eq(out, (total * f)[rank * n:(rank + 1) * n], f"reduce_scatter_tensor PREMUL_SUM {label}")
+        _eq(out, (total * f)[rank * n : (rank + 1) * n], f"reduce_scatter_tensor PREMUL_SUM {label}")
         _eq(mine, x[rank], f"reduce_scatter_tensor PREMUL_SUM {label} left its input alone")
         out = torch.zeros(n)
         dist.reduce_scatter(out, list(mine.chunk(world_size)), op=op)
-        _eq(out, (total * f)[rank * n:(rank + 1) * n], f"reduce_scatter PREMUL_SUM {label}")
+        _eq(out, (total * f)[rank * n : (rank + 1) * n], f"reduce_scatter PREMUL_SUM {label}")
         checked += 4
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         t = x[rank].to(dtype)
@@ -184,7 +198,7 @@ def premul_avg_complex(rank: int, world_size: int) -> int:
         if n % world_size == 0:
             dist.reduce_scatter_tensor(out, c[rank].clone(), op=getattr(dist.ReduceOp, op))
             k = n // world_size
-            _eq(out, want[rank * k:(rank + 1) * k], f"reduce_scatter_tensor {op} complex64")
+            _eq(out, want[rank * k : (rank + 1) * k], f"reduce_scatter_tensor {op} complex64")
         checked += 2
     t = c[rank].clone()
     dist.all_reduce(t, op=dist.make_premul_sum(2.0))
@@ -199,8 +213,10 @@ def premul_avg_complex(rank: int, world_size: int) -> int:
         ("BAND float32", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
         ("PRODUCT complex64", lambda: dist.all_reduce(torch.ones(2, dtype=torch.complex64), op=dist.ReduceOp.PRODUCT)),
         ("AVG int64", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)),
-        ("PREMUL_SUM(0.5) int32",
-         lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.make_premul_sum(0.5))),
+        (
+            "PREMUL_SUM(0.5) int32",
+            lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.make_premul_sum(0.5)),
+        ),
     ):
         try:
             call()
@@ -232,7 +248,7 @@ def data_movement(rank: int, world_size: int) -> int:
         if dtype.is_complex:
             return torch.complex(base.float(), -base.float()).to(dtype)
         if dtype == torch.bool:
-            return (base % 3 == 0)
+            return base % 3 == 0
         if dtype.is_floating_point and dtype.itemsize == 1:
             return (base % 8).float().to(dtype)
         return base.to(dtype)
@@ -276,14 +292,18 @@ def data_movement(rank: int, world_size: int) -> int:
         src = torch.cat([val(rank, j, dtype)[:1].expand(j + 1, 3) for j in range(world_size)])
         dst_t = torch.empty(sum(out_splits), 3, dtype=dtype)
         dist.all_to_all_single(dst_t, src, out_splits, in_splits)
-        _eq(dst_t, torch.cat([val(j, rank, dtype)[:1].expand(rank + 1, 3) for j in range(world_size)]),
-            f"all_to_all_single {what}")
+        _eq(
+            dst_t,
+            torch.cat([val(j, rank, dtype)[:1].expand(rank + 1, 3) for j in range(world_size)]),
+            f"all_to_all_single {what}",
+        )
         # point-to-point in a ring
         if world_size > 1:
             nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
             got = torch.empty(2, 3, dtype=dtype)
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, val(rank, 5, dtype), nxt),
-                                            dist.P2POp(dist.irecv, got, prv)])
+            works = dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, val(rank, 5, dtype), nxt), dist.P2POp(dist.irecv, got, prv)]
+            )
             for w in works:
                 w.wait()
             _eq(got, val(prv, 5, dtype), f"send/recv {what}")
@@ -460,8 +480,13 @@ def side_by_side(rank: int, world_size: int, torch_port: int) -> list:
     import torch.distributed as td
 
     dist = _init(torch_bridge=False)  # two worlds: tdist's is not made torch's default group
-    td.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank, world_size=world_size,
-                          timeout=timedelta(seconds=30))
+    td.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{torch_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=30),
+    )
     a, b = torch.full((3,), float(rank)), torch.full((3,), float(rank + 1))
     want_a = float(sum(range(world_size)))
     want_b = float(sum(range(1, world_size + 1)))

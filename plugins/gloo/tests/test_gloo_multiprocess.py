@@ -72,5 +72,7 @@ def test_init_methods(scheme, tmp_path):
 @pytest.mark.timeout(120)
 def test_interface_option_and_env():
     assert run_world(bodies.interface_option, 2, timeout=90) == [2.0, 2.0]
-    assert run_world(bodies.init_methods, 2, timeout=90, env={"GLOO_SOCKET_IFNAME": "lo"},
-                     init_method="env://") == [6.0, 6.0]
+    assert run_world(bodies.init_methods, 2, timeout=90, env={"GLOO_SOCKET_IFNAME": "lo"}, init_method="env://") == [
+        6.0,
+        6.0,
+    ]

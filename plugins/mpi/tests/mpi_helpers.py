@@ -50,11 +50,22 @@ def run_mpi(
     session_dir = tempfile.mkdtemp(prefix="tdist-mpi-test-")
     full_env = mpirun_env(dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1"), session_dir)
     full_env.update(env or {})
-    cmd = [mpirun, "-n", str(n), "--oversubscribe", "--bind-to", "none", *mpirun_args,
-           sys.executable, str(PROGRAMS / program) if "/" not in program else program, *args]
+    cmd = [
+        mpirun,
+        "-n",
+        str(n),
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        *mpirun_args,
+        sys.executable,
+        str(PROGRAMS / program) if "/" not in program else program,
+        *args,
+    ]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
-                            start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, start_new_session=True, text=True
+    )
     timed_out = False
     try:
         out, _ = proc.communicate(timeout=timeout)

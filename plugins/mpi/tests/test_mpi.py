@@ -26,8 +26,9 @@ def _python(code: str, env: dict | None = None, timeout: float = 60) -> subproce
 
     full = dict(os.environ)
     full.update(env or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=full)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=full
+    )
 
 
 # ------------------------------------------------------------------ registration
@@ -190,9 +191,14 @@ def test_started_by_a_launcher_that_is_not_mpi_is_refused(mpi_ready, tmp_path):
     from tdist._local import mpirun_env
 
     env = mpirun_env(dict(os.environ, PYTHONUNBUFFERED="1"), tempfile.mkdtemp(dir=tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "tdist.launch", "--nproc_per_node", "2",
-                             str(PROGRAMS / "all_reduce_ones.py")], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tdist.launch", "--nproc_per_node", "2", str(PROGRAMS / "all_reduce_ones.py")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=120)
     finally:

@@ -40,14 +40,38 @@ import torch
 
 # ------------------------------------------------------------------ constants
 CONSTANTS = {
-    "NCCL_SUM": 0, "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3, "NCCL_AVG": 4,
-    "NCCL_INT8": 0, "NCCL_CHAR": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT": 2, "NCCL_UINT32": 3,
-    "NCCL_INT64": 4, "NCCL_UINT64": 5, "NCCL_FLOAT16": 6, "NCCL_HALF": 6, "NCCL_FLOAT32": 7, "NCCL_FLOAT": 7,
-    "NCCL_FLOAT64": 8, "NCCL_DOUBLE": 8, "NCCL_BFLOAT16": 9,
+    "NCCL_SUM": 0,
+    "NCCL_PROD": 1,
+    "NCCL_MAX": 2,
+    "NCCL_MIN": 3,
+    "NCCL_AVG": 4,
+    "NCCL_INT8": 0,
+    "NCCL_CHAR": 0,
+    "NCCL_UINT8": 1,
+    "NCCL_INT32": 2,
+    "NCCL_INT": 2,
+    "NCCL_UINT32": 3,
+    "NCCL_INT64": 4,
+    "NCCL_UINT64": 5,
+    "NCCL_FLOAT16": 6,
+    "NCCL_HALF": 6,
+    "NCCL_FLOAT32": 7,
+    "NCCL_FLOAT": 7,
+    "NCCL_FLOAT64": 8,
+    "NCCL_DOUBLE": 8,
+    "NCCL_BFLOAT16": 9,
 }
 TORCH_OF = {
-    0: torch.int8, 1: torch.uint8, 2: torch.int32, 3: torch.uint32, 4: torch.int64, 5: torch.uint64,
-    6: torch.float16, 7: torch.float32, 8: torch.float64, 9: torch.bfloat16,
+    0: torch.int8,
+    1: torch.uint8,
+    2: torch.int32,
+    3: torch.uint32,
+    4: torch.int64,
+    5: torch.uint64,
+    6: torch.float16,
+    7: torch.float32,
+    8: torch.float64,
+    9: torch.bfloat16,
 }
 _TIMEOUT = 20.0
 
@@ -132,7 +156,9 @@ class RealBinding:
         except Exception as exc:
             if convert_errors and isinstance(exc, (TypeError, OverflowError)):
                 raise
-            raise AssertionError(f"the real cupy.cuda.nccl refused {call}{args!r}: {type(exc).__name__}: {exc}") from exc
+            raise AssertionError(
+                f"the real cupy.cuda.nccl refused {call}{args!r}: {type(exc).__name__}: {exc}"
+            ) from exc
         raise AssertionError(f"the real cupy.cuda.nccl ran {call}{args!r} on a NULL communicator")
 
     def method(self, name: str, *args: Any) -> None:
@@ -184,14 +210,21 @@ class FakeNccl(types.ModuleType):
             def __init__(self, ndev: int, commId: Any, rank: int) -> None:
                 if nccl.binding is not None:
                     nccl.binding.check(
-                        "NcclCommunicator", nccl.binding.module.NcclCommunicator, ndev, commId, rank, convert_errors=True
+                        "NcclCommunicator",
+                        nccl.binding.module.NcclCommunicator,
+                        ndev,
+                        commId,
+                        rank,
+                        convert_errors=True,
                     )
                 super().__init__(nccl, ndev, nccl.convert_unique_id(commId), rank)
 
             @staticmethod
             def initAll(devices: Any) -> list[FakeCommunicator]:
                 if nccl.binding is not None:
-                    nccl.binding.check("NcclCommunicator.initAll", nccl.binding.module.NcclCommunicator.initAll, devices)
+                    nccl.binding.check(
+                        "NcclCommunicator.initAll", nccl.binding.module.NcclCommunicator.initAll, devices
+                    )
                 devs = list(range(devices)) if isinstance(devices, int) else list(devices)
                 uid = nccl.convert_unique_id(nccl.get_unique_id())
                 nccl.record("initAll", tuple(devs))
@@ -318,11 +351,19 @@ class FakeCommunicator:
 
     def allReduce(self, send: int, recv: int, count: int, dtype: int, op: int, stream: int) -> None:
         self._real("allReduce", send, recv, count, dtype, op, stream)
-        self._collective("allReduce", lambda: _read(send, count, dtype),
-                         lambda vals: _write(recv, _reduce(vals, op)), count, dtype, op, stream)
+        self._collective(
+            "allReduce",
+            lambda: _read(send, count, dtype),
+            lambda vals: _write(recv, _reduce(vals, op)),
+            count,
+            dtype,
+            op,
+            stream,
+        )
 
     def reduce(self, send: int, recv: int, count: int, dtype: int, op: int, root: int, stream: int) -> None:
         self._real("reduce", send, recv, count, dtype, op, root, stream)
+
         def finish(vals: list) -> None:
             if self.rank == root:
                 _write(recv, _reduce(vals, op))
@@ -331,8 +372,15 @@ class FakeCommunicator:
 
     def broadcast(self, send: int, recv: int, count: int, dtype: int, root: int, stream: int) -> None:
         self._real("broadcast", send, recv, count, dtype, root, stream)
-        self._collective("broadcast", lambda: _read(send, count, dtype) if self.rank == root else None,
-                         lambda vals: _write(recv, vals[root]), count, dtype, root, stream)
+        self._collective(
+            "broadcast",
+            lambda: _read(send, count, dtype) if self.rank == root else None,
+            lambda vals: _write(recv, vals[root]),
+            count,
+            dtype,
+            root,
+            stream,
+        )
 
     def bcast(self, buff: int, count: int, dtype: int, root: int, stream: int) -> None:
         self._real("bcast", buff, count, dtype, root, stream)
@@ -340,16 +388,24 @@ class FakeCommunicator:
 
     def allGather(self, send: int, recv: int, count: int, dtype: int, stream: int) -> None:
         self._real("allGather", send, recv, count, dtype, stream)
-        self._collective("allGather", lambda: _read(send, count, dtype),
-                         lambda vals: _write(recv, torch.cat(vals)), count, dtype, stream)
+        self._collective(
+            "allGather",
+            lambda: _read(send, count, dtype),
+            lambda vals: _write(recv, torch.cat(vals)),
+            count,
+            dtype,
+            stream,
+        )
 
     def reduceScatter(self, send: int, recv: int, count: int, dtype: int, op: int, stream: int) -> None:
         self._real("reduceScatter", send, recv, count, dtype, op, stream)
-        def finish(vals: list) -> None:
-            _write(recv, _reduce(vals, op)[self.rank * count:(self.rank + 1) * count])
 
-        self._collective("reduceScatter", lambda: _read(send, count * self.ndev, dtype), finish,
-                         count, dtype, op, stream)
+        def finish(vals: list) -> None:
+            _write(recv, _reduce(vals, op)[self.rank * count : (self.rank + 1) * count])
+
+        self._collective(
+            "reduceScatter", lambda: _read(send, count * self.ndev, dtype), finish, count, dtype, op, stream
+        )
 
     # ------------------------------------------------------------ point-to-point
     def send(self, buf: int, count: int, dtype: int, peer: int, stream: int) -> None:
@@ -499,4 +555,3 @@ def run_ranks(n: int, fn: Any, timeout: float = 30.0) -> list[Any]:
         if exc is not None:
             raise exc
     return results
-

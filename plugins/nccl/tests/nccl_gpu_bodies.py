@@ -32,8 +32,12 @@ def collectives() -> int:
     dist.all_reduce(t)
     _check(t.tolist() == [3.0] * 5, "all_reduce SUM", t)
     checks += 1
-    for op, want in [(dist.ReduceOp.PRODUCT, 2.0), (dist.ReduceOp.MIN, 1.0), (dist.ReduceOp.MAX, 2.0),
-                     (dist.ReduceOp.AVG, 1.5)]:
+    for op, want in [
+        (dist.ReduceOp.PRODUCT, 2.0),
+        (dist.ReduceOp.MIN, 1.0),
+        (dist.ReduceOp.MAX, 2.0),
+        (dist.ReduceOp.AVG, 1.5),
+    ]:
         t = torch.full((3,), float(rank + 1), device=dev)
         dist.all_reduce(t, op=op)
         _check(t.tolist() == [want] * 3, f"all_reduce {op}", t)
@@ -73,8 +77,9 @@ def collectives() -> int:
     inp = torch.cat([torch.full((j + 1,), float(10 * rank + j), device=dev) for j in range(size)])
     outp = torch.empty(size * (rank + 1), device=dev)
     dist.all_to_all_single(outp, inp, [rank + 1] * size, [j + 1 for j in range(size)])
-    _check(outp.tolist() == [float(10 * j + rank) for j in range(size) for _ in range(rank + 1)],
-           "all_to_all_single", outp)
+    _check(
+        outp.tolist() == [float(10 * j + rank) for j in range(size) for _ in range(rank + 1)], "all_to_all_single", outp
+    )
     g = [torch.empty(2, device=dev) for _ in range(size)] if rank == 1 else None
     dist.gather(torch.full((2,), float(rank), device=dev), g, dst=1)
     if rank == 1:

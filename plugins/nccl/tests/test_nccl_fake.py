@@ -63,8 +63,9 @@ R = Reduction
 def make_world(n: int, nccl: FakeNccl, cuda: Any = None, **kw: Any) -> list[NcclBackend]:
     store = tdist.HashStore()
     return [
-        NcclBackend(store=store, rank=r, size=n, timeout=timedelta(seconds=20), nccl=nccl,
-                    cuda=cuda or FakeCuda(), **kw)
+        NcclBackend(
+            store=store, rank=r, size=n, timeout=timedelta(seconds=20), nccl=nccl, cuda=cuda or FakeCuda(), **kw
+        )
         for r in range(n)
     ]
 
@@ -79,8 +80,14 @@ def test_factory_loads_nccl_from_cupy_and_creates_the_communicator_lazily(monkey
     """The fake module is injected as ``cupy.cuda.nccl`` in sys.modules."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with fake_cupy(FakeNccl(version=22304)) as nccl:
-        b = create_backend(store=tdist.HashStore(), rank=0, world_size=2, timeout=timedelta(seconds=5),
-                           options={"unrelated": 1}, global_ranks=[3, 5])
+        b = create_backend(
+            store=tdist.HashStore(),
+            rank=0,
+            world_size=2,
+            timeout=timedelta(seconds=5),
+            options={"unrelated": 1},
+            global_ranks=[3, 5],
+        )
     assert isinstance(b, NcclBackend) and b.nccl is nccl and b.version == 22304
     assert (b.rank, b.size, b.global_ranks) == (0, 2, [3, 5])
     assert b.comm is None and nccl.log == []  # no communicator until the first operation
@@ -145,8 +152,13 @@ def test_world_size_one_every_operation():
     t = torch.arange(6, dtype=torch.float32)
     b.broadcast(t, 0).wait()
     assert t.tolist() == list(range(6))
-    for op, expected in [(ReduceOp.SUM, 3.0), (ReduceOp.PRODUCT, 3.0), (ReduceOp.MIN, 3.0), (ReduceOp.MAX, 3.0),
-                         (ReduceOp.AVG, 3.0)]:
+    for op, expected in [
+        (ReduceOp.SUM, 3.0),
+        (ReduceOp.PRODUCT, 3.0),
+        (ReduceOp.MIN, 3.0),
+        (ReduceOp.MAX, 3.0),
+        (ReduceOp.AVG, 3.0),
+    ]:
         x = torch.full((3,), 3.0)
         b.all_reduce(x, R(op)).wait()
         assert x.tolist() == [expected] * 3, op
@@ -255,7 +267,7 @@ def test_collectives_world_of_three():
         assert out["all_gather_into_tensor"] == [0, 0, 1, -1, 2, -2]
         assert out["reduce_scatter"] == [30.0 * r + 3] * 2
         full = sum(2 * (torch.arange(6, dtype=torch.float32) + k) for k in range(3))
-        assert out["reduce_scatter_tensor"] == full[2 * r:2 * r + 2].tolist() and out["rst_input_untouched"]
+        assert out["reduce_scatter_tensor"] == full[2 * r : 2 * r + 2].tolist() and out["rst_input_untouched"]
         assert out["all_to_all"] == [100 * j + r for j in range(3)]
         assert out["all_to_all_single"] == [10 * j + r for j in range(3) for _ in range(r + 1)]
         assert out["scatter"] == [7.0 + r] * 2
@@ -445,8 +457,14 @@ def test_multigpu_clique_rank_numbering_and_group_init():
     for r in range(2):
         inits = calls(nccl, f"rank{r}", "init", "groupStart", "groupEnd")
         # rank r's device d is NCCL rank r * 2 + d of a clique of 4, created inside one group
-        assert inits == [("groupStart",), ("init", 2 * r, 4, 0, True), ("init", 2 * r + 1, 4, 1, True),
-                         ("groupEnd",), ("groupStart",), ("groupEnd",)]
+        assert inits == [
+            ("groupStart",),
+            ("init", 2 * r, 4, 0, True),
+            ("init", 2 * r + 1, 4, 1, True),
+            ("groupEnd",),
+            ("groupStart",),
+            ("groupEnd",),
+        ]
     assert len({c.uid for c in nccl.created}) == 1
 
 
@@ -508,8 +526,9 @@ def test_multigpu_refuses_repeated_devices_and_changed_devices():
     with pytest.raises(ValueError, match="same devices"):
         b.all_reduce_multigpu([on(1, torch.ones(1)), on(0, torch.ones(1))], R(ReduceOp.SUM))
     with pytest.raises(TypeError, match="bitwise"):
-        b.all_reduce_multigpu([on(0, torch.ones(1, dtype=torch.int32)), on(1, torch.ones(1, dtype=torch.int32))],
-                              R(ReduceOp.BOR))
+        b.all_reduce_multigpu(
+            [on(0, torch.ones(1, dtype=torch.int32)), on(1, torch.ones(1, dtype=torch.int32))], R(ReduceOp.BOR)
+        )
 
 
 # ------------------------------------------------------------------ through the core (world size 1)
@@ -527,8 +546,15 @@ class _FakeNcclPlugin:
         from tdist_nccl import OPERATIONS
 
         def factory(*, store: Any, rank: int, world_size: int, timeout: Any, options: Any, global_ranks: Any) -> Any:
-            return NcclBackend(store=store, rank=rank, size=world_size, timeout=timeout, nccl=self.nccl,
-                               cuda=FakeCuda(), global_ranks=global_ranks)
+            return NcclBackend(
+                store=store,
+                rank=rank,
+                size=world_size,
+                timeout=timeout,
+                nccl=self.nccl,
+                cuda=FakeCuda(),
+                global_ranks=global_ranks,
+            )
 
         registry.add(tdist.BackendSpec(name="fakenccl", factory=factory, operations={"cpu": OPERATIONS["cuda"]}))
 

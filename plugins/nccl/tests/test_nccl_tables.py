@@ -159,8 +159,13 @@ def test_dtype_table(dtype):
 
 @pytest.mark.parametrize(
     "op, code",
-    [(ReduceOp.SUM, C.NCCL_SUM), (ReduceOp.PRODUCT, C.NCCL_PROD), (ReduceOp.MIN, C.NCCL_MIN),
-     (ReduceOp.MAX, C.NCCL_MAX), (ReduceOp.AVG, C.NCCL_AVG)],
+    [
+        (ReduceOp.SUM, C.NCCL_SUM),
+        (ReduceOp.PRODUCT, C.NCCL_PROD),
+        (ReduceOp.MIN, C.NCCL_MIN),
+        (ReduceOp.MAX, C.NCCL_MAX),
+        (ReduceOp.AVG, C.NCCL_AVG),
+    ],
 )
 def test_op_table(op, code):
     plan = dtypes.plan_reduction(FakeNccl(), 21803, torch.float32, Reduction(op), "all_reduce")
@@ -169,8 +174,12 @@ def test_op_table(op, code):
 
 @pytest.mark.parametrize(
     "op, code",
-    [(ReduceOp.SUM, C.NCCL_MAX), (ReduceOp.MAX, C.NCCL_MAX), (ReduceOp.PRODUCT, C.NCCL_MIN),
-     (ReduceOp.MIN, C.NCCL_MIN)],
+    [
+        (ReduceOp.SUM, C.NCCL_MAX),
+        (ReduceOp.MAX, C.NCCL_MAX),
+        (ReduceOp.PRODUCT, C.NCCL_MIN),
+        (ReduceOp.MIN, C.NCCL_MIN),
+    ],
 )
 def test_bool_reduces_as_uint8_max_min(op, code):
     plan = dtypes.plan_reduction(FakeNccl(), 21803, torch.bool, Reduction(op), "all_reduce")

@@ -135,21 +135,37 @@ class DirStore(Store):
         return len([n for n in os.listdir(self.path) if not n.endswith(".tmp") and n != "lock"])
 
 
-def make_backend(store: Store, rank: int, world: int, timeout: float = 10.0, options: Optional[dict] = None,
-                 secret: bytes = b""):
+def make_backend(
+    store: Store, rank: int, world: int, timeout: float = 10.0, options: Optional[dict] = None, secret: bytes = b""
+):
     from tdist_tcp.backend import create_backend
 
-    return create_backend(store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
-                          options=options or {}, global_ranks=list(range(world)), secret=secret)
+    return create_backend(
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout),
+        options=options or {},
+        global_ranks=list(range(world)),
+        secret=secret,
+    )
 
 
 class RankError(AssertionError):
     pass
 
 
-def run_threads(world: int, body: Callable[[Any, int], Any], timeout: float = 30.0, backend_timeout: float = 10.0,
-                options: Optional[dict] = None, store: Optional[Store] = None, ranks: Optional[Sequence[int]] = None,
-                raise_errors: bool = True, secret: Union[bytes, Sequence[bytes]] = b"") -> list:
+def run_threads(
+    world: int,
+    body: Callable[[Any, int], Any],
+    timeout: float = 30.0,
+    backend_timeout: float = 10.0,
+    options: Optional[dict] = None,
+    store: Optional[Store] = None,
+    ranks: Optional[Sequence[int]] = None,
+    raise_errors: bool = True,
+    secret: Union[bytes, Sequence[bytes]] = b"",
+) -> list:
     """Run ``body(backend, rank)`` for every rank as threads of this process.
 
     Returns the per-rank results; with ``raise_errors=False`` a rank's exception is
@@ -172,8 +188,10 @@ def run_threads(world: int, body: Callable[[Any, int], Any], timeout: float = 30
             if backend is not None:
                 backend.shutdown()
 
-    threads = [threading.Thread(target=target, args=(r,), name=f"test-rank-{r}", daemon=True)
-               for r in (ranks if ranks is not None else range(world))]
+    threads = [
+        threading.Thread(target=target, args=(r,), name=f"test-rank-{r}", daemon=True)
+        for r in (ranks if ranks is not None else range(world))
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout
@@ -233,8 +251,9 @@ class ProcWorld:
 
     def _spawn(self, rank: int) -> None:
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_worker_main, args=(rank, self.n, child), daemon=True,
-                                name=f"tcp-test-rank{rank}")
+        proc = self.ctx.Process(
+            target=_worker_main, args=(rank, self.n, child), daemon=True, name=f"tcp-test-rank{rank}"
+        )
         proc.start()
         child.close()
         self.procs[rank], self.conns[rank] = proc, parent
@@ -248,9 +267,17 @@ class ProcWorld:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def run(self, name: str, *args: Any, timeout: float = 30.0, options: Optional[dict] = None,
-            backend_timeout: float = 10.0, dead_ok: Sequence[int] = (), during: Optional[Callable] = None,
-            secret: bytes = b"") -> list:
+    def run(
+        self,
+        name: str,
+        *args: Any,
+        timeout: float = 30.0,
+        options: Optional[dict] = None,
+        backend_timeout: float = 10.0,
+        dead_ok: Sequence[int] = (),
+        during: Optional[Callable] = None,
+        secret: bytes = b"",
+    ) -> list:
         """Run ``_tcp_jobs.<name>(backend, rank, *args)`` on every rank; return the results.
 
         Ranks in ``dead_ok`` may die (their slot is then ``"dead"``). ``during(world, store_dir)``

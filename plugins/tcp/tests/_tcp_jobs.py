@@ -19,8 +19,18 @@ from tdist._errors import DistBackendError, DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction, make_premul_sum
 from tdist.reduction import check_reduction, combine_, finalize_, prescaled
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.int8, torch.uint8,
-          torch.int32, torch.int64, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
 
 
 def reductions() -> list[Reduction]:
@@ -189,8 +199,8 @@ def p2p_suite(b: Any, rank: int) -> list[str]:
         for peer in range(1, p):
             for k in range(5):
                 b.send(make(peer * 100 + k, 9, torch.float32), peer, 0).wait()
-            b.send(torch.full((3,), 7.0), peer, 7).wait()   # tag 7 sent first ...
-            b.send(torch.full((3,), 5.0), peer, 5).wait()   # ... received second
+            b.send(torch.full((3,), 7.0), peer, 7).wait()  # tag 7 sent first ...
+            b.send(torch.full((3,), 5.0), peer, 5).wait()  # ... received second
             b.send(make(peer, 4, torch.bfloat16), peer, 1).wait()
             b.send(torch.tensor([True, False, True]), peer, 2).wait()
         seen = set()
@@ -250,8 +260,11 @@ def mismatch_job(b: Any, rank: int, kind: str) -> tuple:
     """Rank 0 and the others call incompatible collectives; everyone must raise."""
     SUM = Reduction(ReduceOp.SUM)
     if kind == "op":
-        body = (lambda: b.broadcast(torch.ones(4), 0).wait()) if rank == 0 else \
-            (lambda: b.all_reduce(torch.ones(4), SUM).wait())
+        body = (
+            (lambda: b.broadcast(torch.ones(4), 0).wait())
+            if rank == 0
+            else (lambda: b.all_reduce(torch.ones(4), SUM).wait())
+        )
     elif kind == "size":
         body = lambda: b.all_reduce(torch.ones(4 if rank == 0 else 5), SUM).wait()  # noqa: E731
     elif kind == "dtype":
@@ -396,8 +409,13 @@ def init_destroy_cycles_job(b: Any, rank: int, cycles: int) -> list:
     gc.disable()
     try:
         for k in range(cycles):
-            dist.init_process_group("tcp", store=dist.PrefixStore(f"cycle{k}", b.test_store), rank=rank,
-                                    world_size=b.size, timeout=timedelta(seconds=30))
+            dist.init_process_group(
+                "tcp",
+                store=dist.PrefixStore(f"cycle{k}", b.test_store),
+                rank=rank,
+                world_size=b.size,
+                timeout=timedelta(seconds=30),
+            )
             t = torch.ones(4)
             dist.all_reduce(t)
             used = shm_mapped() - maps

@@ -147,8 +147,9 @@ def test_listener_that_cannot_prove_the_key_is_refused_at_once():
 def test_ranks_with_different_tokens_say_so():
     """Rank 1 fails at once (rank 0's proof does not match); rank 0 times out and reports
     that a connection claiming rank 1 had a wrong proof."""
-    results = run_threads(2, lambda b, r: None, backend_timeout=2.0, raise_errors=False, timeout=30,
-                          secret=[SECRET, b"\x09" * 32])
+    results = run_threads(
+        2, lambda b, r: None, backend_timeout=2.0, raise_errors=False, timeout=30, secret=[SECRET, b"\x09" * 32]
+    )
     assert isinstance(results[1], DistNetworkError), repr(results[1])
     assert "different tokens" in str(results[1])
     assert isinstance(results[0], DistBackendTimeoutError), repr(results[0])
@@ -201,8 +202,9 @@ def test_fuzzed_handshakes_leave_the_listener_serving_and_leak_nothing():
     valid = make_hello(bytes.fromhex(store.get("tcp/nonce").decode()), 1, 2, True)
     frames = st.one_of(
         st.binary(max_size=2 * HELLO.size),
-        st.lists(st.tuples(st.integers(0, len(valid) - 1), st.integers(1, 255)), min_size=1, max_size=4)
-        .map(lambda flips: _xor(valid, flips)),
+        st.lists(st.tuples(st.integers(0, len(valid) - 1), st.integers(1, 255)), min_size=1, max_size=4).map(
+            lambda flips: _xor(valid, flips)
+        ),
         st.integers(0, len(valid) - 1).map(lambda n: valid[:n]),
         st.binary(max_size=2 * MAC_SIZE).map(lambda tail: valid + tail),  # forged proofs
     )
@@ -212,7 +214,7 @@ def test_fuzzed_handshakes_leave_the_listener_serving_and_leak_nothing():
     @given(data=frames, unix=st.booleans(), half_close=st.booleans())
     def attack(data: bytes, unix: bool, half_close: bool) -> None:
         reply = _exchange(store, unix, data, half_close)
-        assert reply[HELLO.size + MAC_SIZE:HELLO.size + MAC_SIZE + 1] != ACCEPTED, (data, reply)
+        assert reply[HELLO.size + MAC_SIZE : HELLO.size + MAC_SIZE + 1] != ACCEPTED, (data, reply)
         answers.append(len(reply))
 
     attack()
@@ -253,8 +255,15 @@ def test_token_from_the_environment_protects_a_file_rendezvous(tmp_path):
 
     path = str(tmp_path / "rendezvous")
     env = {**os.environ, "TDIST_STORE_TOKEN": "job-secret", "TDIST_TCP_SHM": "0"}
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK_PROGRAM, "0", path], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK_PROGRAM, "0", path],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    ]
     try:
         shared = FileStore(path, -1, timeout=60)
         shared.wait(["tdist/init/joined/0"], timeout=60)
@@ -264,8 +273,15 @@ def test_token_from_the_environment_protects_a_file_rendezvous(tmp_path):
         store.wait(["tcp/addr/0"], timeout=60)
         with pytest.raises(DistNetworkError, match="did not prove it knows this group's key"):
             mesh._connect_one(store, 0, 1, 2, b"\x01" * 32, time.monotonic() + 20, 0, True)
-        procs.append(subprocess.Popen([sys.executable, "-c", _RANK_PROGRAM, "1", path], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _RANK_PROGRAM, "1", path],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
         outputs = [p.communicate(timeout=90)[0] for p in procs]
     finally:
         for p in procs:

@@ -38,8 +38,9 @@ def test_suites_across_processes_segmented(world3):
 @pytest.mark.parametrize("how,unix", [("exit", True), ("exit", False), ("sigkill", True), ("exit-mid-send", True)])
 def test_dead_peer_fails_survivors_promptly(world3, how, unix):
     victim = 2 if how != "exit-mid-send" else 1
-    results = world3.run("dead_peer_job", victim, how, backend_timeout=60, dead_ok=[victim], timeout=60,
-                         options={"unix": unix})
+    results = world3.run(
+        "dead_peer_job", victim, how, backend_timeout=60, dead_ok=[victim], timeout=60, options={"unix": unix}
+    )
     assert results[victim] == "dead"
     for rank, result in enumerate(results):
         if rank == victim:
@@ -60,8 +61,7 @@ def test_sigkill_from_outside_while_peers_wait(world3):
         time.sleep(0.2)
         os.kill(world.pids()[1], signal.SIGKILL)
 
-    results = world3.run("wait_forever_job", backend_timeout=60, dead_ok=[1],
-                         during=kill_rank1, timeout=60)
+    results = world3.run("wait_forever_job", backend_timeout=60, dead_ok=[1], during=kill_rank1, timeout=60)
     for rank in (0, 2):
         name, text, elapsed = results[rank]
         assert name == "DistBackendError" and "rank 1" in text and elapsed < 8, results[rank]
@@ -87,8 +87,9 @@ def test_stopped_peer_gives_every_waiting_rank_a_timeout_naming_it(world3, shm):
 
     nbytes, timeout = 16 << 20, 4.0
     world3.run("shm_state_job", timeout=60)  # every worker is up (a replaced one needs seconds to start)
-    results = world3.run("stopped_peer_job", 2, nbytes, backend_timeout=timeout, during=stop_rank2, timeout=90,
-                         options={"shm": shm})
+    results = world3.run(
+        "stopped_peer_job", 2, nbytes, backend_timeout=timeout, during=stop_rank2, timeout=90, options={"shm": shm}
+    )
     for rank in (0, 1):
         name, text, elapsed = results[rank]
         assert name == "DistBackendTimeoutError", (rank, name, text)
@@ -143,7 +144,12 @@ def test_plugin_import_does_not_import_torch():
     import sys
 
     code = "import sys, tdist_tcp.plugin; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -69,8 +69,7 @@ def test_suites_processes_3(world3, options):
 
 def test_suites_threads_4():
     """Ranks that are threads of one process (they never spin) and 4 ranks."""
-    results = run_threads(4, lambda b, r: J.shm_suites_job(b, r, sizes=(5, 2000), n=700), timeout=150,
-                          options=SMALL)
+    results = run_threads(4, lambda b, r: J.shm_suites_job(b, r, sizes=(5, 2000), n=700), timeout=150, options=SMALL)
     for rank, (uses_shm, failures, _digest, _files, _maps) in enumerate(results):
         assert uses_shm and failures == [], (rank, failures[:10])
     assert len({r[2] for r in results}) == 1
@@ -104,13 +103,13 @@ def test_in_place_reduce_scatter_and_all_gather(world):
 
     def body(b, rank):
         big = torch.cat([torch.full((n,), float(10 * rank + j)) for j in range(world)])
-        out = big[rank * n:(rank + 1) * n]
+        out = big[rank * n : (rank + 1) * n]
         b.reduce_scatter_tensor(out, big, Reduction(ReduceOp.SUM)).wait()
         want = float(sum(10 * k + rank for k in range(world)))
         ok_rs = bool((out == want).all())
         gathered = torch.zeros(world * n)
-        gathered[rank * n:(rank + 1) * n] = rank + 1
-        b.all_gather_into_tensor(gathered, gathered[rank * n:(rank + 1) * n]).wait()
+        gathered[rank * n : (rank + 1) * n] = rank + 1
+        b.all_gather_into_tensor(gathered, gathered[rank * n : (rank + 1) * n]).wait()
         ok_ag = torch.equal(gathered, torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(n))
         return b.uses_shm, ok_rs, ok_ag
 
@@ -119,8 +118,7 @@ def test_in_place_reduce_scatter_and_all_gather(world):
 
 # ------------------------------------------------------------------ opting out
 def test_opt_out_option():
-    results = run_threads(2, lambda b, r: (b.uses_shm, J.all_reduce_suite(b, r, sizes=(5,))),
-                          options={"shm": False})
+    results = run_threads(2, lambda b, r: (b.uses_shm, J.all_reduce_suite(b, r, sizes=(5,))), options={"shm": False})
     assert results == [(False, [])] * 2
 
 
@@ -285,8 +283,10 @@ def test_every_rank_killed_during_setup_leaves_nothing(tmp_path):
 
     store_dir = str(tmp_path / "store")
     store = DirStore(store_dir)
-    procs = [subprocess.Popen([sys.executable, "-c", _SETUP_PROGRAM, str(r), store_dir, os.path.dirname(__file__)])
-             for r in (0, 1)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SETUP_PROGRAM, str(r), store_dir, os.path.dirname(__file__)])
+        for r in (0, 1)
+    ]
     try:
         nonce = store.get("tcp/nonce", timeout=60).decode()
         where = store.get(f"tcp/shm/{nonce}/name", timeout=60).decode()
@@ -336,8 +336,14 @@ def test_segment_of_another_group_or_key_is_refused():
         pid, _fd, scope, _name = where.split(":")
         with open(__file__, "rb") as f:  # a real descriptor, but not a segment
             assert segment.attach(f"{pid}:{f.fileno()}:{scope}:{name}", total, 2, 65536, nonce, key) is None
-        for bad in ("", "x", f"{pid}:{fd}:{scope}:../../etc/passwd", f"1:{fd}:{scope}:{name}",
-                    f"{pid}:99999:{scope}:{name}", f"{pid}:{fd}:{'0' * 16}:{name}"):  # last: another host/namespace
+        for bad in (
+            "",
+            "x",
+            f"{pid}:{fd}:{scope}:../../etc/passwd",
+            f"1:{fd}:{scope}:{name}",
+            f"{pid}:99999:{scope}:{name}",
+            f"{pid}:{fd}:{'0' * 16}:{name}",
+        ):  # last: another host/namespace
             assert segment.attach(bad, total, 2, 65536, nonce, key) is None, bad
     finally:
         mm.close()

@@ -42,6 +42,7 @@ def test_collectives_and_p2p(world, unix):
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_segmented_ring_chain_and_tree(world):
     """Tiny thresholds: every large-message path with many segments per step."""
+
     def body(b, rank):
         return J.all_reduce_suite(b, rank, sizes=(203,)) + J.collectives_suite(b, rank, n=101)
 
@@ -49,23 +50,39 @@ def test_segmented_ring_chain_and_tree(world):
     assert run_threads(world, body, options=options, timeout=80) == [[]] * world
 
 
-@pytest.mark.parametrize("world,options", [(3, {}), (5, {}), (3, {"ring_threshold": 64, "segment_bytes": 200}),
-                                           (5, {"ring_threshold": 64, "segment_bytes": 200})])
+@pytest.mark.parametrize(
+    "world,options",
+    [
+        (3, {}),
+        (5, {}),
+        (3, {"ring_threshold": 64, "segment_bytes": 200}),
+        (5, {"ring_threshold": 64, "segment_bytes": 200}),
+    ],
+)
 def test_results_bitwise_identical_on_all_ranks(world, options):
     digests = run_threads(world, lambda b, r: J.bitwise_digest(b, r, 1001, seed=world), options=options)
     assert len(set(digests)) == 1
 
 
-@pytest.mark.parametrize("kind,expect", [
-    # whichever rank notices first names both sides
-    ("op", r"expected (all_reduce\(SUM\)#1(\[[^]]*\])? float32 x 16 bytes from rank 0 but got broadcast#1 float32 x 16 "
-           r"bytes|acknowledgement#1 .* but got all_reduce\(SUM\)#1(\[[^]]*\])? float32 x 16 bytes)"),
-    ("size", r"x 16 bytes"),
-    ("dtype", r"int32"),
-    ("redop", r"MAX"),
-    ("root", r"expected acknowledgement#1 .* but got broadcast#1 float32 x 16 bytes"
-             r"|expected broadcast#1 float32 x 16 bytes \(root \d\) from rank \d but got broadcast#1 .*\(root \d\)"),
-])
+@pytest.mark.parametrize(
+    "kind,expect",
+    [
+        # whichever rank notices first names both sides
+        (
+            "op",
+            r"expected (all_reduce\(SUM\)#1(\[[^]]*\])? float32 x 16 bytes from rank 0 but got broadcast#1 float32 x 16 "
+            r"bytes|acknowledgement#1 .* but got all_reduce\(SUM\)#1(\[[^]]*\])? float32 x 16 bytes)",
+        ),
+        ("size", r"x 16 bytes"),
+        ("dtype", r"int32"),
+        ("redop", r"MAX"),
+        (
+            "root",
+            r"expected acknowledgement#1 .* but got broadcast#1 float32 x 16 bytes"
+            r"|expected broadcast#1 float32 x 16 bytes \(root \d\) from rank \d but got broadcast#1 .*\(root \d\)",
+        ),
+    ],
+)
 def test_mismatched_collectives_raise_on_every_rank(kind, expect):
     results = run_threads(3, lambda b, r: J.mismatch_job(b, r, kind), backend_timeout=20)
     messages = []
@@ -125,8 +142,10 @@ def test_p2p_size_or_dtype_mismatch_fails_the_recv_only():
             b.send(torch.ones(3), 1, 0).wait()
             b.barrier().wait()
             return None
-        errs = [J.describe_error(lambda: b.recv(torch.empty(5), 0, 0).wait()),
-                J.describe_error(lambda: b.recv(torch.empty(4), 0, 0).wait())]
+        errs = [
+            J.describe_error(lambda: b.recv(torch.empty(5), 0, 0).wait()),
+            J.describe_error(lambda: b.recv(torch.empty(4), 0, 0).wait()),
+        ]
         t = torch.zeros(3)
         b.recv(t, 0, 0).wait()
         b.barrier().wait()  # the group still works
@@ -199,6 +218,7 @@ def test_bad_handshakes_are_refused_and_setup_continues():
 def test_async_collective_progresses_while_caller_blocks_elsewhere():
     """Rank 0 issues an async all_reduce, then blocks in a recv that rank 1 only sends
     after its own all_reduce completed: needs the collective to run without a wait."""
+
     def body(b, rank):
         t = torch.full((5,), float(rank + 1))
         if rank == 0:
@@ -236,8 +256,9 @@ def test_reduction_errors_raise_before_communicating():
             with pytest.raises(TypeError):
                 b.all_reduce(torch.ones(2), Reduction(ReduceOp.BAND))
             with pytest.raises(TypeError):
-                b.reduce_scatter(torch.ones(1, dtype=torch.int32), [torch.ones(1, dtype=torch.int32)] * 2,
-                                 Reduction(ReduceOp.AVG))
+                b.reduce_scatter(
+                    torch.ones(1, dtype=torch.int32), [torch.ones(1, dtype=torch.int32)] * 2, Reduction(ReduceOp.AVG)
+                )
         t = torch.ones(2)
         b.all_reduce(t, SUM).wait()  # sequence numbers still agree
         return t.tolist()
@@ -275,6 +296,7 @@ def test_no_threads_left_after_shutdown():
 
 def test_broken_group_fails_pending_async_ops_promptly():
     """Rank 0 detects a mismatch; rank 2's pending async op fails through the ABORT frame."""
+
     def body(b, rank):
         if rank == 2:
             w = b.all_reduce(torch.ones(4), SUM)
@@ -313,8 +335,11 @@ def test_large_messages_posted_early_and_late():
 
     def ring(b, rank):
         fails = []
-        for dtype, op in ((torch.float32, SUM), (torch.bfloat16, Reduction(ReduceOp.AVG)),
-                          (torch.int64, Reduction(ReduceOp.BXOR))):
+        for dtype, op in (
+            (torch.float32, SUM),
+            (torch.bfloat16, Reduction(ReduceOp.AVG)),
+            (torch.int64, Reduction(ReduceOp.BXOR)),
+        ):
             t = J.make(rank, 300_001, dtype)
             b.all_reduce(t, op).wait()
             if not torch.equal(t, J.expected_reduction(b.size, 300_001, dtype, op)):
@@ -327,6 +352,7 @@ def test_large_messages_posted_early_and_late():
 def test_isend_progresses_while_caller_waits_on_a_recv():
     """isend (small: sent at once; large: the send lane starts it at once), then a blocking
     recv that the peer answers only after receiving: must not depend on waiting the isend."""
+
     def body(b, rank):
         for n in (3, 1 << 18):
             if rank == 0:

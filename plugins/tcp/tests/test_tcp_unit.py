@@ -18,15 +18,26 @@ from tdist_tcp.lanes import Lane, TcpWork
 pytestmark = pytest.mark.timeout(60)
 
 ALL_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
 ]
 
 
 # -------------------------------------------------------------------- wire
 def test_header_roundtrip_and_size():
-    head = wire.pack_header(wire.COLL, wire.OP_CODES["all_reduce"], 1, wire.dtype_code(torch.float16), -5, 7, 12345,
-                            (2, 3))
+    head = wire.pack_header(
+        wire.COLL, wire.OP_CODES["all_reduce"], 1, wire.dtype_code(torch.float16), -5, 7, 12345, (2, 3)
+    )
     assert len(head) == wire.HEADER.size + 16
     magic, kind, op, redop, dtype, ndim, tag, seq, nbytes = wire.HEADER.unpack_from(head)
     assert (magic, kind, op, redop, ndim, tag, seq, nbytes) == (wire.FRAME_MAGIC, wire.COLL, 3, 1, 2, -5, 7, 12345)
@@ -46,8 +57,9 @@ def test_dtype_codes_unique_and_named():
 
 
 def test_describe_names_op_seq_dtype_size():
-    text = wire.describe(wire.OP_CODES["all_reduce"], wire.redop_code(Reduction(ReduceOp.SUM)), 7,
-                         wire.dtype_code(torch.float32), 16)
+    text = wire.describe(
+        wire.OP_CODES["all_reduce"], wire.redop_code(Reduction(ReduceOp.SUM)), 7, wire.dtype_code(torch.float32), 16
+    )
     assert text == "all_reduce(SUM)#7 float32 x 16 bytes"
     assert wire.describe(3, 1, 7, 1, 16, part=(1 << 32) | 5).startswith("all_reduce(SUM)#7[step 1 part 5] ")
     assert "[fold]" in wire.describe(3, 1, 7, 1, 16, part=wire.PART_FOLD)
@@ -72,15 +84,18 @@ def test_byte_view_scalar_and_empty():
 
 
 # ---------------------------------------------------------------- reduction
-@pytest.mark.parametrize("op,dtype,error", [
-    (ReduceOp.BAND, torch.float32, TypeError),
-    (ReduceOp.BXOR, torch.complex64, TypeError),
-    (ReduceOp.AVG, torch.int32, TypeError),
-    (ReduceOp.AVG, torch.bool, TypeError),
-    (ReduceOp.MIN, torch.complex64, TypeError),
-    (ReduceOp.MAX, torch.complex128, TypeError),
-    (ReduceOp.PRODUCT, torch.complex64, TypeError),
-])
+@pytest.mark.parametrize(
+    "op,dtype,error",
+    [
+        (ReduceOp.BAND, torch.float32, TypeError),
+        (ReduceOp.BXOR, torch.complex64, TypeError),
+        (ReduceOp.AVG, torch.int32, TypeError),
+        (ReduceOp.AVG, torch.bool, TypeError),
+        (ReduceOp.MIN, torch.complex64, TypeError),
+        (ReduceOp.MAX, torch.complex128, TypeError),
+        (ReduceOp.PRODUCT, torch.complex64, TypeError),
+    ],
+)
 def test_check_reduction_rejects(op, dtype, error):
     with pytest.raises(error, match=op.name):
         check_reduction(Reduction(op), dtype, "tcp")
@@ -104,12 +119,18 @@ def test_check_reduction_premul_sum_factor():
         check_reduction(Reduction(ReduceOp.PREMUL_SUM, "x"), torch.float32, "tcp")
 
 
-@pytest.mark.parametrize("op,expected", [
-    (ReduceOp.SUM, [True, True, True, False]), (ReduceOp.MAX, [True, True, True, False]),
-    (ReduceOp.PRODUCT, [True, False, False, False]), (ReduceOp.MIN, [True, False, False, False]),
-    (ReduceOp.BAND, [True, False, False, False]), (ReduceOp.BOR, [True, True, True, False]),
-    (ReduceOp.BXOR, [False, True, True, False]),
-])
+@pytest.mark.parametrize(
+    "op,expected",
+    [
+        (ReduceOp.SUM, [True, True, True, False]),
+        (ReduceOp.MAX, [True, True, True, False]),
+        (ReduceOp.PRODUCT, [True, False, False, False]),
+        (ReduceOp.MIN, [True, False, False, False]),
+        (ReduceOp.BAND, [True, False, False, False]),
+        (ReduceOp.BOR, [True, True, True, False]),
+        (ReduceOp.BXOR, [False, True, True, False]),
+    ],
+)
 def test_combine_bool(op, expected):
     a = torch.tensor([True, True, False, False])
     combine_(a, torch.tensor([True, False, True, False]), Reduction(op))

@@ -68,9 +68,13 @@ class TdistAgent(LocalElasticAgent):
         log: Callable[[str], None],
         extra_env: Optional[dict[str, str]] = None,
     ) -> None:
-        super().__init__(spec, logs_specs=config.logs_specs, start_method=config.start_method,  # type: ignore[arg-type]
-                         log_line_prefix_template=prefix_template,
-                         shutdown_timeout=max(1, int(grace_period + 0.999)))
+        super().__init__(
+            spec,
+            logs_specs=config.logs_specs,  # type: ignore[arg-type]
+            start_method=config.start_method,
+            log_line_prefix_template=prefix_template,
+            shutdown_timeout=max(1, int(grace_period + 0.999)),
+        )
         self.grace_period = grace_period
         self.tdist_store = tdist_store
         self.log = log
@@ -86,13 +90,16 @@ class TdistAgent(LocalElasticAgent):
             shared: dict[str, Any] = {"prefix": f"tdist/{uuid.uuid4().hex}"}
             if self.tdist_store is not None:  # listening on every interface: reachable where MASTER_ADDR is
                 host = self.tdist_store.host
-                shared.update(addr=host if host not in ("", "0.0.0.0", "::") else worker_group.master_addr,
-                              port=self.tdist_store.port)
+                shared.update(
+                    addr=host if host not in ("", "0.0.0.0", "::") else worker_group.master_addr,
+                    port=self.tdist_store.port,
+                )
             store.set(key, json.dumps(shared))
         return json.loads(store.get(key))
 
-    def _worker_env(self, worker_group: WorkerGroup, worker: Any, restart_count: int,
-                    shared: dict[str, Any]) -> dict[str, str]:
+    def _worker_env(
+        self, worker_group: WorkerGroup, worker: Any, restart_count: int, shared: dict[str, Any]
+    ) -> dict[str, str]:
         """The variables torchrun's LocalElasticAgent sets, and tdist's."""
         spec = worker_group.spec
         env: dict[str, Any] = {
@@ -136,14 +143,22 @@ class TdistAgent(LocalElasticAgent):
             args[worker.local_rank] = tuple(macros.substitute(list(spec.args), str(worker.local_rank)))
             if prefixes is not None and template is not None:
                 prefixes[worker.local_rank] = Template(template).safe_substitute(
-                    role_name=spec.role, rank=worker.global_rank, local_rank=worker.local_rank)
+                    role_name=spec.role, rank=worker.global_rank, local_rank=worker.local_rank
+                )
         self._setup_local_watchdog(envs=envs)
         self._setup_healthcheck()
         if not isinstance(spec.entrypoint, str):
             raise TypeError("tdistrun starts workers from a command line, not a Python function")
         self._pcontext = WorkerProcesses(
-            spec.role, spec.entrypoint, args, envs, self._logs_specs, prefixes,
-            grace_period=self.grace_period, log=self.log, numa_options=spec.numa_options,
+            spec.role,
+            spec.entrypoint,
+            args,
+            envs,
+            self._logs_specs,
+            prefixes,
+            grace_period=self.grace_period,
+            log=self.log,
+            numa_options=spec.numa_options,
             duplicate_stdout_filters=spec.duplicate_stdout_filters,
             duplicate_stderr_filters=spec.duplicate_stderr_filters,
         )
@@ -196,21 +211,42 @@ def create_agent(
     """The agent for ``config`` (as torch's ``launch_agent`` builds its LocalElasticAgent).
     Creating a c10d rendezvous handler connects to (or hosts) its store."""
     rdzv_parameters = RendezvousParameters(
-        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr, **config.rdzv_configs,
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
     )
     master_addr, master_port = _get_addr_and_port(rdzv_parameters)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     spec = WorkerSpec(
-        role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint, args=tuple(args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters), max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
-        local_addr=config.local_addr, event_log_handler=config.event_log_handler, numa_options=config.numa_options,
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
         duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters, virtual_local_rank=config.virtual_local_rank,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
     )
-    return TdistAgent(spec, config, grace_period=grace_period, prefix_template=prefix_template,
-                      tdist_store=tdist_store, log=log, extra_env=extra_env)
+    return TdistAgent(
+        spec,
+        config,
+        grace_period=grace_period,
+        prefix_template=prefix_template,
+        tdist_store=tdist_store,
+        log=log,
+        extra_env=extra_env,
+    )
 
 
 def run_agent(agent: TdistAgent, config: LaunchConfig) -> RunResult:

@@ -83,14 +83,18 @@ class WorkerProcesses(PContext):
         dest = logs_specs.reify(envs)  # also sets each worker's TORCHELASTIC_ERROR_FILE
         self.stdouts, self.stderrs, self.error_files = dest.stdouts, dest.stderrs, dest.error_files
         self._tee = (dest.tee_stdouts, dest.tee_stderrs)
-        self.filtered_stdout = open(dest.filtered_stdout, "w", errors="replace", buffering=1) \
-            if duplicate_stdout_filters else None  # noqa: SIM115 -- PContext.close closes them
-        self.filtered_stderr = open(dest.filtered_stderr, "w", errors="replace", buffering=1) \
-            if duplicate_stderr_filters else None  # noqa: SIM115
+        self.filtered_stdout = (
+            open(dest.filtered_stdout, "w", errors="replace", buffering=1) if duplicate_stdout_filters else None
+        )  # noqa: SIM115 -- PContext.close closes them
+        self.filtered_stderr = (
+            open(dest.filtered_stderr, "w", errors="replace", buffering=1) if duplicate_stderr_filters else None
+        )  # noqa: SIM115
         self._tail_logs = []
         self._prefixes = log_line_prefixes
-        self._needles = ([f.encode() for f in duplicate_stdout_filters or ()],
-                         [f.encode() for f in duplicate_stderr_filters or ()])
+        self._needles = (
+            [f.encode() for f in duplicate_stdout_filters or ()],
+            [f.encode() for f in duplicate_stderr_filters or ()],
+        )
         self._numa_options = numa_options
         self.grace_period = grace_period
         self.log = log
@@ -117,8 +121,13 @@ class WorkerProcesses(PContext):
         shown = dest == "" or tee
         prefix = b"" if self._prefixes is None else self._prefixes[local_rank].encode()
         filtered = (self.filtered_stdout, self.filtered_stderr)[stream] if tee else None
-        return OutputRoute(console=self._consoles[stream] if shown else None, prefix=prefix, log_file=log_file,
-                           filtered=filtered, needles=self._needles[stream])
+        return OutputRoute(
+            console=self._consoles[stream] if shown else None,
+            prefix=prefix,
+            log_file=log_file,
+            filtered=filtered,
+            needles=self._needles[stream],
+        )
 
     def _command(self, local_rank: int) -> tuple[str, ...]:
         cmd = (str(self.entrypoint), *(str(a) for a in self.args[local_rank]))
@@ -164,15 +173,21 @@ class WorkerProcesses(PContext):
                 continue
             self._running.discard(local_rank)
             if code != 0:
-                self._failures[local_rank] = ProcessFailure(local_rank=local_rank, pid=worker.proc.pid, exitcode=code,
-                                                            error_file=self.error_files.get(local_rank, ""))
+                self._failures[local_rank] = ProcessFailure(
+                    local_rank=local_rank,
+                    pid=worker.proc.pid,
+                    exitcode=code,
+                    error_file=self.error_files.get(local_rank, ""),
+                )
                 failed = failed or worker
         if self._running and not self._failures:
             return None
         if failed is not None and self.first_failure is None:
             self.first_failure = self._failures[failed.local_rank]
-            self.log(f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) failed with "
-                     f"{describe_status(failed.proc.returncode)}; stopping {len(self._running)} other worker(s)")
+            self.log(
+                f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) failed with "
+                f"{describe_status(failed.proc.returncode)}; stopping {len(self._running)} other worker(s)"
+            )
         self.close()
         result = RunProcsResult(failures=dict(self._failures), stdouts=self.stdouts, stderrs=self.stderrs)
         if not result.is_failed():
@@ -205,8 +220,9 @@ class WorkerProcesses(PContext):
                 time.sleep(_POLL_INTERVAL)
             stragglers = [w.rank for w in workers if w.proc.poll() is None]
             if stragglers:
-                self.log(f"rank(s) {stragglers} still running after {self.grace_period:g} s grace period; "
-                         "sending SIGKILL")
+                self.log(
+                    f"rank(s) {stragglers} still running after {self.grace_period:g} s grace period; sending SIGKILL"
+                )
             for worker in workers:
                 worker.signal_group(signal.SIGKILL)
             for worker in workers:

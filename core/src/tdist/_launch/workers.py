@@ -20,8 +20,17 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, IO, Callable, Optional, Sequence
 
-__all__ = ["OutputRoute", "start_pump", "OUTPUT_LOCK", "write_locked", "exit_status", "describe_status",
-           "group_members", "pdeathsig_preexec", "popen_target"]
+__all__ = [
+    "OutputRoute",
+    "start_pump",
+    "OUTPUT_LOCK",
+    "write_locked",
+    "exit_status",
+    "describe_status",
+    "group_members",
+    "pdeathsig_preexec",
+    "popen_target",
+]
 
 #: Orders every write to the launcher's streams (workers' lines, the launcher's own
 #: messages) and to the shared filtered files, so that lines never interleave.

@@ -118,8 +118,14 @@ def _store(rank: int, world_size: int, timeout: float) -> Store:
         port = _env_int(STORE_PORT)
         if port is None:
             raise ValueError(f"env:// rendezvous: {STORE_ADDR} is set but {STORE_PORT} is not")
-        store: Store = TCPStore(os.environ[STORE_ADDR], port, world_size, is_master=False,
-                                timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        store: Store = TCPStore(
+            os.environ[STORE_ADDR],
+            port,
+            world_size,
+            is_master=False,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
     elif _uses_agent_store():
         store = _join_agent_store(world_size, timeout)
         prefix = prefix or f"tdist/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"

@@ -84,8 +84,10 @@ def _locked_lock_file(lock_path: str, poll: Poll) -> int:
         fd = open_regular(lock_path)
         if os.fstat(fd).st_size:
             os.close(fd)
-            raise ValueError(f"file:// rendezvous: {lock_path} is not empty, so it is not tdist's lock file; "
-                             "refusing to use (and later remove) it")
+            raise ValueError(
+                f"file:// rendezvous: {lock_path} is not empty, so it is not tdist's lock file; "
+                "refusing to use (and later remove) it"
+            )
         probe = _Presence(lock_path, fd)
         while not probe.try_lock(fcntl.LOCK_SH, 0):  # the last user is removing the files
             if poll.expired():
@@ -135,8 +137,9 @@ def _take_slot(presence: _Presence, store: Store) -> int:
             return slot
 
 
-def _join_generation(store: Store, presence: _Presence, slot: int, group: str, rank: int, world_size: int,
-                     poll: Poll) -> tuple[int, int]:
+def _join_generation(
+    store: Store, presence: _Presence, slot: int, group: str, rank: int, world_size: int, poll: Poll
+) -> tuple[int, int]:
     """Claim ``rank`` (-1: the first free one) in the group's current generation, starting
     the next one when the current is full or lost a member; returns (generation, rank)."""
     base, me = f"tdist/jobs/{group}", str(slot).encode()
@@ -157,8 +160,10 @@ def _join_generation(store: Store, presence: _Presence, slot: int, group: str, r
             if store.compare_set(f"{base}/{generation}/member/{i}", b"", me) == me:
                 return generation, i
         if rank >= 0 and rank in members:
-            raise ValueError(f"file:// rendezvous: rank {rank} of group {group!r} is already taken by a running "
-                             "process of the job now gathering")
+            raise ValueError(
+                f"file:// rendezvous: rank {rank} of group {group!r} is already taken by a running "
+                "process of the job now gathering"
+            )
         if poll.expired():
             raise DistStoreTimeoutError(f"file:// rendezvous: group {group!r}: no free rank within the timeout")
         poll.sleep()  # another process took the rank first: look again

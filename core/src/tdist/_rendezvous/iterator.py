@@ -46,11 +46,14 @@ def rendezvous(url: str, rank: int = -1, world_size: int = -1, **kwargs: Any) ->
         raise NodeArgumentsError(f"The url: {url} has node-specific arguments(rank, world_size) already.")
     if parsed.scheme in _NEEDS_RANK:
         if rank == -1 and "rank" not in query:
-            raise ValueError(f"{parsed.scheme}:// rendezvous: rank parameter missing in {url!r} "
-                             "(pass rank= or add ?rank=)")
+            raise ValueError(
+                f"{parsed.scheme}:// rendezvous: rank parameter missing in {url!r} (pass rank= or add ?rank=)"
+            )
         if world_size == -1 and "world_size" not in query:
-            raise ValueError(f"{parsed.scheme}:// rendezvous: world_size parameter missing in {url!r} "
-                             "(pass world_size= or add ?world_size=)")
+            raise ValueError(
+                f"{parsed.scheme}:// rendezvous: world_size parameter missing in {url!r} "
+                "(pass world_size= or add ?world_size=)"
+            )
     timeout = kwargs.pop("timeout", None)
     if timeout is None:
         from .._init import default_pg_timeout
@@ -62,7 +65,8 @@ def rendezvous(url: str, rank: int = -1, world_size: int = -1, **kwargs: Any) ->
     return _once(handler, parsed, int(rank), int(world_size), timeout, group_name)
 
 
-def _once(handler: Any, url: urllib.parse.SplitResult, rank: int, world_size: int, timeout: timedelta,
-          group_name: str) -> Iterator[Tuple[Store, int, int]]:
+def _once(
+    handler: Any, url: urllib.parse.SplitResult, rank: int, world_size: int, timeout: timedelta, group_name: str
+) -> Iterator[Tuple[Store, int, int]]:
     yield handler(url, rank=rank, world_size=world_size, timeout=timeout.total_seconds(), group_name=group_name)
     raise RuntimeError(f"Unable to perform re-rendezvous using {url.scheme}:// method")

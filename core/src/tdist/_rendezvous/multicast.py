@@ -94,17 +94,20 @@ def _world_size_from_env(world_size: int) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError("tcp:// multicast rendezvous: world_size is required: the processes must know how many to "
-                         "wait for (pass world_size=, add ?world_size= to the URL, or set WORLD_SIZE)"
-                         + (f"; WORLD_SIZE={raw!r} is not a positive integer" if raw else ""))
+        raise ValueError(
+            "tcp:// multicast rendezvous: world_size is required: the processes must know how many to "
+            "wait for (pass world_size=, add ?world_size= to the URL, or set WORLD_SIZE)"
+            + (f"; WORLD_SIZE={raw!r} is not a positive integer" if raw else "")
+        )
     return value
 
 
 class _Rendezvous:
     """One process's side of the protocol in the module's description."""
 
-    def __init__(self, sock: socket.socket, options: MulticastOptions, group: str, rank: int, world_size: int,
-                 timeout: float) -> None:
+    def __init__(
+        self, sock: socket.socket, options: MulticastOptions, group: str, rank: int, world_size: int, timeout: float
+    ) -> None:
         self.sock, self.options, self.group = sock, options, group
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.me = secrets.token_bytes(ID_BYTES)
@@ -126,8 +129,9 @@ class _Rendezvous:
         except (BlockingIOError, InterruptedError):
             pass  # the send buffer is full: the next round repeats it
         except OSError as exc:
-            raise DistNetworkError(f"{self.where}: cannot send to the group: {exc}. {no_multicast_hint(self.options)}"
-                                   ) from exc
+            raise DistNetworkError(
+                f"{self.where}: cannot send to the group: {exc}. {no_multicast_hint(self.options)}"
+            ) from exc
 
     def receive(self, until: float) -> Optional[Tuple[Datagram, tuple]]:
         """The next datagram of this job (and its source) arriving before ``until``; None if none."""
@@ -148,8 +152,10 @@ class _Rendezvous:
                 return got, source
 
     def _heard(self, datagram: Datagram, source: tuple) -> None:
-        peer = self.peers.setdefault(datagram.sender, Peer(datagram.sender, _source_address(source), datagram.text,
-                                                           datagram.rank, datagram.world_size))
+        peer = self.peers.setdefault(
+            datagram.sender,
+            Peer(datagram.sender, _source_address(source), datagram.text, datagram.rank, datagram.world_size),
+        )
         peer.last_seen = time.monotonic()
 
     def live(self) -> list:
@@ -203,40 +209,50 @@ class _Rendezvous:
     def _problem(self, live: list) -> Optional[str]:
         for peer in live:
             if peer.world_size != self.world_size:
-                return (f"a process on {_describe(peer)} has world_size {peer.world_size}, this one "
-                        f"{self.world_size}: give every process of a job the same world_size, and different jobs "
-                        "different group names")
+                return (
+                    f"a process on {_describe(peer)} has world_size {peer.world_size}, this one "
+                    f"{self.world_size}: give every process of a job the same world_size, and different jobs "
+                    "different group names"
+                )
         claims: Dict[int, list] = {}
         for peer in sorted(live, key=lambda p: (_address_key(p.address), p.id)):
             if peer.rank >= 0:
                 claims.setdefault(peer.rank, []).append(peer)
         for rank, claimants in sorted(claims.items()):
             if len(claimants) > 1:
-                return (f"rank {rank} is given to {len(claimants)} processes (on "
-                        f"{', '.join(_describe(p) for p in claimants)}): each rank must be given to one process")
+                return (
+                    f"rank {rank} is given to {len(claimants)} processes (on "
+                    f"{', '.join(_describe(p) for p in claimants)}): each rank must be given to one process"
+                )
         if len(live) > self.world_size:
-            return (f"{len(live)} processes ({_hosts(live)}) announce this group but world_size is "
-                    f"{self.world_size}: do two jobs use this address with the same group_name? Give each its own")
+            return (
+                f"{len(live)} processes ({_hosts(live)}) announce this group but world_size is "
+                f"{self.world_size}: do two jobs use this address with the same group_name? Give each its own"
+            )
         return None
 
     def _accept(self, offer: Datagram, source: tuple) -> Tuple[Store, int, int]:
         """Join the store an offer for this process names and claim the rank it gives."""
         if self.rank >= 0 and offer.rank != self.rank:
-            raise DistStoreError(f"{self.where}: offered rank {offer.rank}, but this process was given rank "
-                                 f"{self.rank}")
+            raise DistStoreError(
+                f"{self.where}: offered rank {offer.rank}, but this process was given rank {self.rank}"
+            )
         host = offer.text
         if _is_link_local(host) and len(source) > 3:  # reach it through the interface the offer came in on
             host = f"{host}%{source[3]}"
         remaining = max(self.deadline - time.monotonic(), 0.1)
-        store = TCPStore(host, offer.port, is_master=False, timeout=timedelta(seconds=remaining),
-                         wait_for_workers=False)
+        store = TCPStore(
+            host, offer.port, is_master=False, timeout=timedelta(seconds=remaining), wait_for_workers=False
+        )
         try:
             claimed = self.me.hex().encode() + _CLAIMED
             if store.compare_set(_slot(offer.rank), self.me.hex(), claimed) != claimed:
-                raise DistStoreError(f"{self.where}: the store at {host}:{offer.port} offered rank {offer.rank} but "
-                                     "gave it to another process before this one could claim it (this process "
-                                     "stopped announcing itself for too long, or, without a token, someone else "
-                                     "answered for the job: set TDIST_STORE_TOKEN)")
+                raise DistStoreError(
+                    f"{self.where}: the store at {host}:{offer.port} offered rank {offer.rank} but "
+                    "gave it to another process before this one could claim it (this process "
+                    "stopped announcing itself for too long, or, without a token, someone else "
+                    "answered for the job: set TDIST_STORE_TOKEN)"
+                )
             store.set_timeout(timedelta(seconds=self.timeout))
         except BaseException:
             store.close()
@@ -295,7 +311,10 @@ class _Rendezvous:
         for rank, member in pending.items():
             gone = now - self.peers[member].last_seen > EXPIRY
             if gone and announce.rank in (-1, rank):
-                if store.compare_set(_slot(rank), member.hex(), announce.sender.hex()) == announce.sender.hex().encode():
+                if (
+                    store.compare_set(_slot(rank), member.hex(), announce.sender.hex())
+                    == announce.sender.hex().encode()
+                ):
                     pending[rank] = announce.sender
                     counted.add(announce.sender)
                     return rank
@@ -304,21 +323,26 @@ class _Rendezvous:
     # ------------------------------------------------------------------ errors
     def _timeout_error(self) -> DistStoreTimeoutError:
         live = self.live()
-        text = (f"{self.where}: found {len(live)} of {self.world_size} processes within {self.timeout:g} s"
-                + (f" ({_hosts(live)})" if live else ""))
+        text = f"{self.where}: found {len(live)} of {self.world_size} processes within {self.timeout:g} s" + (
+            f" ({_hosts(live)})" if live else ""
+        )
         problem = self._problem(live)
         if self.me not in self.peers:
-            text += (". This process never heard its own datagrams: multicast does not reach this host's own "
-                     "sockets on this interface. " + no_multicast_hint(self.options))
+            text += (
+                ". This process never heard its own datagrams: multicast does not reach this host's own "
+                "sockets on this interface. " + no_multicast_hint(self.options)
+            )
         elif problem is not None:
             text += f"; {problem}"
         elif len(live) < self.world_size:
-            text += (". Are the other processes started, with the same address, group_name and world_size?")
+            text += ". Are the other processes started, with the same address, group_name and world_size?"
             own = self.peers[self.me].address
             if all(p.address == own for p in live):
-                text += (" No process on another host was heard: does the network between the hosts carry multicast"
-                         f" (TTL {self.options.ttl}: raise it with ?ttl= or TDIST_MULTICAST_TTL if routers lie between "
-                         "them)? Where it does not, use a unicast address: tcp://<address of one host>:<port>")
+                text += (
+                    " No process on another host was heard: does the network between the hosts carry multicast"
+                    f" (TTL {self.options.ttl}: raise it with ?ttl= or TDIST_MULTICAST_TTL if routers lie between "
+                    "them)? Where it does not, use a unicast address: tcp://<address of one host>:<port>"
+                )
         else:
             ranks = assign_ranks(live, self.world_size)
             leader = next(p for p in live if ranks[p.id] == 0)
@@ -326,11 +350,14 @@ class _Rendezvous:
         return DistStoreTimeoutError(text + self._rejected_note())
 
     def _unclaimed_error(self, pending: Dict[int, bytes]) -> DistStoreTimeoutError:
-        missing = ", ".join(f"rank {r} (on {_describe(self.peers[m])})" if m in self.peers else f"rank {r}"
-                            for r, m in sorted(pending.items()))
+        missing = ", ".join(
+            f"rank {r} (on {_describe(self.peers[m])})" if m in self.peers else f"rank {r}"
+            for r, m in sorted(pending.items())
+        )
         return DistStoreTimeoutError(
             f"{self.where}: {self.world_size - len(pending)} of {self.world_size} processes joined the store within "
-            f"{self.timeout:g} s; missing: {missing}" + self._rejected_note())
+            f"{self.timeout:g} s; missing: {missing}" + self._rejected_note()
+        )
 
     def _rejected_note(self) -> str:
         if not self.rejected:
@@ -371,8 +398,9 @@ def _hosts(peers: Sequence[Peer]) -> str:
     return ", ".join(f"{n} on {where}" for where, n in sorted(counts.items()))
 
 
-def multicast_rendezvous(url: urllib.parse.SplitResult, host: str, port: int, *, rank: int, world_size: int,
-                         timeout: float, group_name: str) -> Tuple[Store, int, int]:
+def multicast_rendezvous(
+    url: urllib.parse.SplitResult, host: str, port: int, *, rank: int, world_size: int, timeout: float, group_name: str
+) -> Tuple[Store, int, int]:
     """The store, rank and world size of this process in the job at multicast ``host:port``
     (see the module's description; the options are :class:`MulticastOptions`')."""
     options = MulticastOptions.from_url(host, port, url)

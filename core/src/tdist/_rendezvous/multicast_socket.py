@@ -60,8 +60,10 @@ class MulticastOptions:
         except ValueError:
             ttl = -1
         if not 0 <= ttl <= 255:
-            raise ValueError(f"tcp:// multicast rendezvous: ttl={raw_ttl!r} (URL ?ttl= or {TTL_ENV}) must be an "
-                             "integer from 0 to 255")
+            raise ValueError(
+                f"tcp:// multicast rendezvous: ttl={raw_ttl!r} (URL ?ttl= or {TTL_ENV}) must be an "
+                "integer from 0 to 255"
+            )
         return cls(str(ipaddress.ip_address(group)), port, ttl, interface)
 
 
@@ -71,8 +73,10 @@ def _interface_index(options: MulticastOptions) -> int:
     try:
         return socket.if_nametoindex(options.interface)
     except OSError:
-        raise DistNetworkError(f"tcp:// multicast rendezvous: no network interface named {options.interface!r} on "
-                               f"this host (URL ?interface= or {INTERFACE_ENV})") from None
+        raise DistNetworkError(
+            f"tcp:// multicast rendezvous: no network interface named {options.interface!r} on "
+            f"this host (URL ?interface= or {INTERFACE_ENV})"
+        ) from None
 
 
 def _set_up_ipv4(sock: socket.socket, options: MulticastOptions) -> None:
@@ -92,8 +96,11 @@ def _set_up_ipv4(sock: socket.socket, options: MulticastOptions) -> None:
 
 def _set_up_ipv6(sock: socket.socket, options: MulticastOptions) -> None:
     index = _interface_index(options)
-    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_JOIN_GROUP,
-                    socket.inet_pton(socket.AF_INET6, options.group) + struct.pack("@I", index))
+    sock.setsockopt(
+        socket.IPPROTO_IPV6,
+        socket.IPV6_JOIN_GROUP,
+        socket.inet_pton(socket.AF_INET6, options.group) + struct.pack("@I", index),
+    )
     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_HOPS, options.ttl)
     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_LOOP, 1)
     if index:
@@ -119,7 +126,9 @@ def open_multicast_socket(options: MulticastOptions) -> socket.socket:
         sock.close()
         raise DistNetworkError(
             f"tcp:// multicast rendezvous: cannot join {options.where}"
-            + (f" on {options.interface}" if options.interface else "") + f": {exc}. " + no_multicast_hint(options)
+            + (f" on {options.interface}" if options.interface else "")
+            + f": {exc}. "
+            + no_multicast_hint(options)
         ) from exc
     except BaseException:
         sock.close()
@@ -129,6 +138,8 @@ def open_multicast_socket(options: MulticastOptions) -> socket.socket:
 def no_multicast_hint(options: Optional[MulticastOptions] = None) -> str:
     """What to try when this host cannot send to or join the group."""
     route = "ff00::/8" if options is not None and options.family == socket.AF_INET6 else "224.0.0.0/4"
-    return (f"This host has no route for multicast on the chosen interface: name one with ?interface= or "
-            f"{INTERFACE_ENV}, or add a route (e.g. ip route add {route} dev eth0); or use a unicast "
-            "address: tcp://<address of one host>:<port>")
+    return (
+        f"This host has no route for multicast on the chosen interface: name one with ?interface= or "
+        f"{INTERFACE_ENV}, or add a route (e.g. ip route add {route} dev eth0); or use a unicast "
+        "address: tcp://<address of one host>:<port>"
+    )

@@ -72,8 +72,22 @@ def _mac(token: bytes, body: bytes) -> bytes:
 def pack(datagram: Datagram, tag: bytes, token: bytes) -> bytes:
     """The bytes of ``datagram`` for job ``tag``, authenticated when ``token`` is not empty."""
     text = datagram.text.encode()[:MAX_TEXT]
-    body = _HEAD.pack(MAGIC, VERSION, datagram.kind, 1 if token else 0, tag, datagram.sender, datagram.world_size,
-                      datagram.rank, datagram.recipient, datagram.port, len(text)) + text
+    body = (
+        _HEAD.pack(
+            MAGIC,
+            VERSION,
+            datagram.kind,
+            1 if token else 0,
+            tag,
+            datagram.sender,
+            datagram.world_size,
+            datagram.rank,
+            datagram.recipient,
+            datagram.port,
+            len(text),
+        )
+        + text
+    )
     return body + _mac(token, body) if token else body
 
 
@@ -83,8 +97,9 @@ def unpack(data: bytes, tag: bytes, token: bytes) -> Union[Datagram, Rejected, N
     but cannot be trusted or read."""
     if len(data) < _HEAD.size or data[:4] != MAGIC or data[4] != VERSION:
         return None
-    magic, version, kind, authenticated, their_tag, sender, world_size, rank, recipient, port, size = \
-        _HEAD.unpack_from(data)
+    magic, version, kind, authenticated, their_tag, sender, world_size, rank, recipient, port, size = _HEAD.unpack_from(
+        data
+    )
     if their_tag != tag:
         return None
     body_end = _HEAD.size + size
@@ -99,7 +114,7 @@ def unpack(data: bytes, tag: bytes, token: bytes) -> Union[Datagram, Rejected, N
     if kind not in (ANNOUNCE, OFFER) or world_size < 1 or rank < -1 or rank >= world_size:
         return Rejected.MALFORMED
     try:
-        text = data[_HEAD.size:body_end].decode()
+        text = data[_HEAD.size : body_end].decode()
     except UnicodeDecodeError:
         return Rejected.MALFORMED
     return Datagram(kind, sender, world_size, rank, recipient, port, text)

@@ -16,8 +16,13 @@ __all__ = ["check_path", "open_regular", "same_file"]
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -34,12 +39,16 @@ def _shared_directory(path: str) -> bool:
 
 def _check_stat(path: str, st: os.stat_result, shared: bool, scheme: str) -> None:
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{scheme}:// rendezvous: {path} is {_kind(st.st_mode)}; the rendezvous needs a regular "
-                         "file it can create, lock and remove")
+        raise ValueError(
+            f"{scheme}:// rendezvous: {path} is {_kind(st.st_mode)}; the rendezvous needs a regular "
+            "file it can create, lock and remove"
+        )
     if shared and st.st_uid != os.geteuid():
-        raise ValueError(f"{scheme}:// rendezvous: {path} belongs to user id {st.st_uid}, not to this user "
-                         f"({os.geteuid()}), in a directory anyone can write to: refusing it, anyone could have "
-                         "planted it (remove it, or use a path in a directory only you can write to)")
+        raise ValueError(
+            f"{scheme}:// rendezvous: {path} belongs to user id {st.st_uid}, not to this user "
+            f"({os.geteuid()}), in a directory anyone can write to: refusing it, anyone could have "
+            "planted it (remove it, or use a path in a directory only you can write to)"
+        )
 
 
 def check_path(path: str, scheme: str = "file") -> None:
@@ -51,8 +60,10 @@ def check_path(path: str, scheme: str = "file") -> None:
         return
     if stat.S_ISLNK(st.st_mode):
         if shared:
-            raise ValueError(f"{scheme}:// rendezvous: {path} is a symbolic link in a directory anyone can write to "
-                             "(anyone could have planted it): refusing to follow it; name the file itself")
+            raise ValueError(
+                f"{scheme}:// rendezvous: {path} is a symbolic link in a directory anyone can write to "
+                "(anyone could have planted it): refusing to follow it; name the file itself"
+            )
         try:
             st = os.stat(path)
         except FileNotFoundError:

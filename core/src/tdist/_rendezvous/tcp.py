@@ -29,8 +29,9 @@ __all__ = ["tcp_rendezvous", "connect_tcp_store"]
 
 def connect_tcp_store(host: str, port: int, rank: int, world_size: int, timeout: float) -> Store:
     """The TCPStore for ``rank``: hosted by rank 0, a client elsewhere."""
-    return TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timedelta(seconds=timeout),
-                    wait_for_workers=False)
+    return TCPStore(
+        host, port, world_size, is_master=(rank == 0), timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
 
 
 def _is_multicast(host: str) -> bool:
@@ -55,8 +56,9 @@ def tcp_rendezvous(
     rank = merge_int("tcp", "rank", rank, query_int(url, "rank", "tcp"))
     world_size = merge_int("tcp", "world_size", world_size, query_int(url, "world_size", "tcp"))
     if _is_multicast(url.hostname):
-        return multicast_rendezvous(url, url.hostname, port, rank=rank, world_size=world_size, timeout=timeout,
-                                    group_name=group_name)
+        return multicast_rendezvous(
+            url, url.hostname, port, rank=rank, world_size=world_size, timeout=timeout, group_name=group_name
+        )
     if world_size < 1:
         raise ValueError(f"tcp:// rendezvous: world_size is required (argument or ?world_size= in {where!r})")
     check_rank("tcp", rank, world_size)
@@ -66,9 +68,11 @@ def tcp_rendezvous(
     if rank >= 0:
         return connect_tcp_store(url.hostname, port, rank, world_size, timeout), rank, world_size
     try:
-        store = TCPStore(url.hostname, port, world_size, is_master=True,
-                                timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        store = TCPStore(
+            url.hostname, port, world_size, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
     except (OSError, DistError):
-        store = TCPStore(url.hostname, port, world_size, is_master=False,
-                         timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        store = TCPStore(
+            url.hostname, port, world_size, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
     return store, store.add("auto_rank", 1) - 1, world_size

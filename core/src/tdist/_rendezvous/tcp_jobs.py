@@ -95,8 +95,13 @@ def _open_job(entry: bytes, poll: Poll) -> Optional[TCPStore]:
         job_id, port, host = entry.decode().split(" ", 2)
         with socket.create_connection((host, int(port)), timeout=min(5.0, max(poll.remaining, 0.1))):
             pass  # refused at once when nothing listens there any more
-        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=max(poll.remaining, 0.1)),
-                         wait_for_workers=False)
+        store = TCPStore(
+            host,
+            int(port),
+            is_master=False,
+            timeout=timedelta(seconds=max(poll.remaining, 0.1)),
+            wait_for_workers=False,
+        )
     except (OSError, ValueError, DistError):
         return None
     try:
@@ -110,8 +115,9 @@ def _open_job(entry: bytes, poll: Poll) -> Optional[TCPStore]:
     return store
 
 
-def _publish(directory: _Directory, key: str, current: bytes, group: str, rank: int, world_size: int,
-             poll: Poll) -> Optional[tuple[TCPStore, int]]:
+def _publish(
+    directory: _Directory, key: str, current: bytes, group: str, rank: int, world_size: int, poll: Poll
+) -> Optional[tuple[TCPStore, int]]:
     """Start the job's store and publish it (replacing ``current``); None if another process
     published first. Returns once every process of the job has arrived."""
     host = _local_address_towards(directory.host, directory.port)
@@ -130,14 +136,16 @@ def _publish(directory: _Directory, key: str, current: bytes, group: str, rank: 
             if poll.expired():
                 raise DistStoreTimeoutError(
                     f"tcp:// rendezvous: group {group!r}: {store.add(_ARRIVED, 0)} of {world_size} processes "
-                    "arrived within the timeout")
+                    "arrived within the timeout"
+                )
             poll.sleep()
             # keep the entry while the job gathers, also in a directory that restarted empty
             now = directory.call(lambda d: d.compare_set(key, b"", entry))
             if now != entry:
                 raise DistStoreError(
                     f"tcp:// rendezvous: group {group!r}: the rendezvous at {directory.host}:{directory.port} "
-                    "restarted while the job gathered and another process now holds the group; start the job again")
+                    "restarted while the job gathered and another process now holds the group; start the job again"
+                )
     except BaseException:
         _forget(directory, key, entry)
         store.close()
@@ -165,8 +173,7 @@ def _join(job: TCPStore, rank: int, world_size: int) -> Optional[int]:
     return rank
 
 
-def join_tcp_job(host: str, port: int, group: str, rank: int, world_size: int,
-                 timeout: float) -> tuple[Store, int]:
+def join_tcp_job(host: str, port: int, group: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int]:
     """This process's store and rank in job ``group`` at ``host:port`` (see the module doc)."""
     poll = Poll(timeout)
     directory = _Directory(host, port, poll)
@@ -196,7 +203,8 @@ def join_tcp_job(host: str, port: int, group: str, rank: int, world_size: int,
             if poll.expired():
                 raise DistStoreTimeoutError(
                     f"tcp:// rendezvous: group {group!r} at {host}:{port}: no job to join within {timeout:g} s"
-                    + ("" if rank < 0 else " (waiting for its rank 0 to publish it)"))
+                    + ("" if rank < 0 else " (waiting for its rank 0 to publish it)")
+                )
             poll.sleep()
     except BaseException:
         for served in directory.served:

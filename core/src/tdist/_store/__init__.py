@@ -8,5 +8,15 @@ from .prefix_store import PrefixStore
 from .tcp_store import TCPStore, TCPStoreServer
 from .torch_adapters import TorchStore, as_torch_store, from_torch_store
 
-__all__ = ["Store", "QueueEmptyError", "HashStore", "PrefixStore", "FileStore", "TCPStore", "TCPStoreServer",
-           "TorchStore", "as_torch_store", "from_torch_store"]
+__all__ = [
+    "Store",
+    "QueueEmptyError",
+    "HashStore",
+    "PrefixStore",
+    "FileStore",
+    "TCPStore",
+    "TCPStoreServer",
+    "TorchStore",
+    "as_torch_store",
+    "from_torch_store",
+]

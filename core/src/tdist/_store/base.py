@@ -16,8 +16,15 @@ from typing import List, Optional, Sequence, Union
 from .._errors import DistStoreError, DistStoreTimeoutError
 from .._work import Timeout, seconds
 
-__all__ = ["Store", "QueueEmptyError", "DEFAULT_STORE_TIMEOUT", "MAX_TIMEOUT_S", "as_bytes", "timeout_seconds",
-           "wait_timeout_error"]
+__all__ = [
+    "Store",
+    "QueueEmptyError",
+    "DEFAULT_STORE_TIMEOUT",
+    "MAX_TIMEOUT_S",
+    "as_bytes",
+    "timeout_seconds",
+    "wait_timeout_error",
+]
 
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)
 #: The longest timeout a blocking call can honour (what ``threading`` can wait: about 292 years).
@@ -45,8 +52,9 @@ def timeout_seconds(timeout: Timeout, default: float, where: str) -> float:
     if math.isnan(value):
         raise ValueError(f"{where}: the timeout is NaN")
     if value > MAX_TIMEOUT_S:
-        raise ValueError(f"{where}: a timeout of {value:g} s is too large to wait for "
-                         f"(at most {MAX_TIMEOUT_S:g} s, about 292 years)")
+        raise ValueError(
+            f"{where}: a timeout of {value:g} s is too large to wait for (at most {MAX_TIMEOUT_S:g} s, about 292 years)"
+        )
     return max(value, 0.0)
 
 
@@ -57,8 +65,9 @@ def _ms(limit: float) -> int:
 def wait_timeout_error(where: str, limit: float, keys: Sequence[str]) -> DistStoreTimeoutError:
     """The error of a wait that timed out, worded as torch's stores word it
     (``wait timeout after 100ms, keys: /a, /b``), naming the store."""
-    return DistStoreTimeoutError(f"{where}: wait timeout after {_ms(limit)}ms, keys: "
-                                 + ", ".join("/" + k for k in keys))
+    return DistStoreTimeoutError(
+        f"{where}: wait timeout after {_ms(limit)}ms, keys: " + ", ".join("/" + k for k in keys)
+    )
 
 
 class Store:
@@ -172,7 +181,8 @@ class Store:
         except TimeoutError:
             raise DistStoreTimeoutError(
                 f"{type(self).__name__}: barrier timeout after {_ms(limit)}ms, key: {key} "
-                f"({self.add(f'{key}/num_members', 0)} of {world_size} arrived)") from None
+                f"({self.add(f'{key}/num_members', 0)} of {world_size} arrived)"
+            ) from None
 
     def clone(self) -> "Store":
         """A handle onto the same data for another thread. Default: ``self`` (the store is thread-safe)."""

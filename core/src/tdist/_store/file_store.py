@@ -67,8 +67,9 @@ class FileStore(Store):
     ``world_size`` < 0 it is never removed. Dropping the last reference to a store closes it.
     """
 
-    def __init__(self, path: Union[str, "os.PathLike[str]"], world_size: int = -1,
-                 timeout: Timeout = DEFAULT_STORE_TIMEOUT) -> None:
+    def __init__(
+        self, path: Union[str, "os.PathLike[str]"], world_size: int = -1, timeout: Timeout = DEFAULT_STORE_TIMEOUT
+    ) -> None:
         super().__init__(timeout)
         self._fd: Optional[int] = None
         self._path = os.fspath(path)
@@ -83,8 +84,9 @@ class FileStore(Store):
             raise DistStoreError(f"{self._where}: cannot open the store file: {exc}") from exc
         try:
             if not stat.S_ISREG(os.fstat(self._fd).st_mode):  # a device, a FIFO: no log, and never removed
-                raise DistStoreError(f"{self._where}: not a regular file; a FileStore needs a file it can "
-                                     "append to and remove")
+                raise DistStoreError(
+                    f"{self._where}: not a regular file; a FileStore needs a file it can append to and remove"
+                )
             with self._locked(exclusive=True) as fd:
                 self._append(fd, [self._count(_REFCOUNT, 1)])
         except BaseException:
@@ -189,8 +191,9 @@ class FileStore(Store):
         """The SET record that adds ``amount`` to counter ``key`` (lock held, file synced)."""
         return _SET, key, add_to_value(self._where, key, self._table.values.get(key), int(amount))
 
-    def _poll(self, ready: Callable[[], Optional[T]], keys: Sequence[str], timeout: Timeout,
-              exclusive: bool = False) -> T:
+    def _poll(
+        self, ready: Callable[[], Optional[T]], keys: Sequence[str], timeout: Timeout, exclusive: bool = False
+    ) -> T:
         """Poll the file until ``ready()`` (called with the lock held, synced) is not None."""
         limit = self._limit(timeout)
         deadline = time.monotonic() + limit

@@ -122,7 +122,7 @@ class PrefixStore(Store):
 
     def list_keys(self) -> List[str]:
         head = self._prefix + "/"
-        return [k[len(head):] for k in self._store.list_keys() if k.startswith(head)]
+        return [k[len(head) :] for k in self._store.list_keys() if k.startswith(head)]
 
     def queue_push(self, key: str, value: Value) -> None:
         self._store.queue_push(self._key(key), as_bytes(value))

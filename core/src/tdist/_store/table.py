@@ -27,8 +27,7 @@ def add_to_value(owner: str, key: Union[str, bytes], current: Optional[bytes], a
         return b"%d" % (int(current) + amount)
     except ValueError:
         name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-        raise DistStoreError(
-            f"{owner}: add: the value of key {name!r} is not an integer: {current[:64]!r}") from None
+        raise DistStoreError(f"{owner}: add: the value of key {name!r} is not an integer: {current[:64]!r}") from None
 
 
 def compare_set_result(current: Optional[bytes], expected: bytes, desired: bytes) -> Tuple[bool, bytes]:

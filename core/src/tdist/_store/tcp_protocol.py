@@ -34,9 +34,30 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .base import MAX_TIMEOUT_S
 
-__all__ = ["MAGIC", "VERSION", "NONCE_BYTES", "PROOF_BYTES", "ACK", "NAK", "TLS_REQUIRED", "TOKEN_ENV", "token_bytes", "server_proof",
-           "client_proof", "encode_request", "encode_reply", "encode_list", "decode_list", "parse_request",
-           "timeout_arg", "ProtocolError", "MAX_ARG_BYTES", "MAX_ARGS", "MAX_REQUEST_BYTES", "NAMES"]
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "NONCE_BYTES",
+    "PROOF_BYTES",
+    "ACK",
+    "NAK",
+    "TLS_REQUIRED",
+    "TOKEN_ENV",
+    "token_bytes",
+    "server_proof",
+    "client_proof",
+    "encode_request",
+    "encode_reply",
+    "encode_list",
+    "decode_list",
+    "parse_request",
+    "timeout_arg",
+    "ProtocolError",
+    "MAX_ARG_BYTES",
+    "MAX_ARGS",
+    "MAX_REQUEST_BYTES",
+    "NAMES",
+]
 
 TOKEN_ENV = "TDIST_STORE_TOKEN"
 MAGIC = b"TDSTORE"
@@ -53,16 +74,50 @@ MAX_ARG_BYTES = 64 << 20
 MAX_ARGS = 1 << 16
 MAX_REQUEST_BYTES = 256 << 20
 
-(SET, GET, ADD, COMPARE_SET, WAIT, CHECK, DELETE, NUM_KEYS, PING, APPEND, MULTI_GET, MULTI_SET, QUEUE_PUSH,
- QUEUE_POP, QUEUE_LEN, LIST_KEYS, BARRIER) = range(1, 18)
-NAMES: Dict[int, str] = dict(enumerate(
-    "SET GET ADD COMPARE_SET WAIT CHECK DELETE NUM_KEYS PING APPEND MULTI_GET MULTI_SET QUEUE_PUSH QUEUE_POP "
-    "QUEUE_LEN LIST_KEYS BARRIER".split(), 1))
+(
+    SET,
+    GET,
+    ADD,
+    COMPARE_SET,
+    WAIT,
+    CHECK,
+    DELETE,
+    NUM_KEYS,
+    PING,
+    APPEND,
+    MULTI_GET,
+    MULTI_SET,
+    QUEUE_PUSH,
+    QUEUE_POP,
+    QUEUE_LEN,
+    LIST_KEYS,
+    BARRIER,
+) = range(1, 18)
+NAMES: Dict[int, str] = dict(
+    enumerate(
+        "SET GET ADD COMPARE_SET WAIT CHECK DELETE NUM_KEYS PING APPEND MULTI_GET MULTI_SET QUEUE_PUSH QUEUE_POP "
+        "QUEUE_LEN LIST_KEYS BARRIER".split(),
+        1,
+    )
+)
 #: (fewest, most) arguments of each command. Blocking commands start with a timeout argument.
 ARITY: Dict[int, Tuple[int, int]] = {
-    SET: (2, 2), GET: (2, 2), ADD: (2, 2), COMPARE_SET: (3, 3), WAIT: (2, MAX_ARGS), CHECK: (1, MAX_ARGS),
-    DELETE: (1, 1), NUM_KEYS: (0, 0), PING: (0, 1), APPEND: (2, 2), MULTI_GET: (2, MAX_ARGS),
-    MULTI_SET: (2, MAX_ARGS), QUEUE_PUSH: (2, 2), QUEUE_POP: (3, 3), QUEUE_LEN: (1, 1), LIST_KEYS: (0, 0),
+    SET: (2, 2),
+    GET: (2, 2),
+    ADD: (2, 2),
+    COMPARE_SET: (3, 3),
+    WAIT: (2, MAX_ARGS),
+    CHECK: (1, MAX_ARGS),
+    DELETE: (1, 1),
+    NUM_KEYS: (0, 0),
+    PING: (0, 1),
+    APPEND: (2, 2),
+    MULTI_GET: (2, MAX_ARGS),
+    MULTI_SET: (2, MAX_ARGS),
+    QUEUE_PUSH: (2, 2),
+    QUEUE_POP: (3, 3),
+    QUEUE_LEN: (1, 1),
+    LIST_KEYS: (0, 0),
     BARRIER: (3, 3),
 }
 OK, TIMEOUT, ERROR, EMPTY = 0, 1, 2, 3
@@ -118,8 +173,9 @@ def encode_reply(status: int, payload: bytes = b"") -> bytes:
     return HEAD.pack(status, len(payload)) + payload
 
 
-def parse_request(buf: Union[bytes, bytearray, memoryview], pos: int,
-                  _head: Any = HEAD.unpack_from, _u32: Any = U32.unpack_from) -> Optional[Tuple[int, List[bytes], int]]:
+def parse_request(
+    buf: Union[bytes, bytearray, memoryview], pos: int, _head: Any = HEAD.unpack_from, _u32: Any = U32.unpack_from
+) -> Optional[Tuple[int, List[bytes], int]]:
     """The request at ``buf[pos:]`` as ``(command, arguments, end)``, None while incomplete;
     raises ProtocolError for an unknown command, a wrong arity or an argument over the limits."""
     n = len(buf)

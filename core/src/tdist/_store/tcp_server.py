@@ -37,10 +37,43 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 from .._errors import DistNetworkError, DistStoreError
 from .table import KeyTable
 from .tcp_protocol import (
-    ACK, ADD, APPEND, BARRIER, CHECK, CLIENT_HELLO_BYTES, COMPARE_SET, DELETE, EMPTY, ERROR, GET, LIST_KEYS, MAGIC,
-    MULTI_GET, MULTI_SET, NAK, NONCE_BYTES, NUM_KEYS, OK, PING, PROOF_BYTES, QUEUE_LEN, QUEUE_POP, QUEUE_PUSH, SET,
-    TIMEOUT, TLS_REQUIRED, VERSION, WAIT, ProtocolError, client_proof, encode_list, encode_reply, parse_request, server_proof,
-    timeout_arg, token_bytes,
+    ACK,
+    ADD,
+    APPEND,
+    BARRIER,
+    CHECK,
+    CLIENT_HELLO_BYTES,
+    COMPARE_SET,
+    DELETE,
+    EMPTY,
+    ERROR,
+    GET,
+    LIST_KEYS,
+    MAGIC,
+    MULTI_GET,
+    MULTI_SET,
+    NAK,
+    NONCE_BYTES,
+    NUM_KEYS,
+    OK,
+    PING,
+    PROOF_BYTES,
+    QUEUE_LEN,
+    QUEUE_POP,
+    QUEUE_PUSH,
+    SET,
+    TIMEOUT,
+    TLS_REQUIRED,
+    VERSION,
+    WAIT,
+    ProtocolError,
+    client_proof,
+    encode_list,
+    encode_reply,
+    parse_request,
+    server_proof,
+    timeout_arg,
+    token_bytes,
 )
 from .tls import TLS_RECORD_TYPE, WOULD_BLOCK, TlsConfig
 
@@ -109,9 +142,16 @@ class TCPStoreServer:
     every connection over TLS. Call :meth:`start`, and :meth:`stop` to close the sockets and end the thread.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: Union[bytes, str, None] = None,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT, max_pending: Optional[int] = None,
-                 listen_fd: Optional[int] = None, tls: Union[TlsConfig, None, bool] = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: Union[bytes, str, None] = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_pending: Optional[int] = None,
+        listen_fd: Optional[int] = None,
+        tls: Union[TlsConfig, None, bool] = None,
+    ) -> None:
         self._host = host
         self._requested_port = int(port)
         self._token = token_bytes(token)
@@ -141,11 +181,23 @@ class TCPStoreServer:
         self._rbuf = bytearray(_RECV_BYTES)
         self._rview = memoryview(self._rbuf)
         self._handlers: Dict[int, Callable[[_Conn, List[bytes]], Optional[bytes]]] = {
-            SET: self._set, GET: self._get, ADD: self._add, COMPARE_SET: self._compare_set, WAIT: self._wait,
-            CHECK: self._check, DELETE: self._delete, NUM_KEYS: self._num_keys, PING: self._ping,
-            APPEND: self._append, MULTI_GET: self._multi_get, MULTI_SET: self._multi_set,
-            QUEUE_PUSH: self._queue_push, QUEUE_POP: self._queue_pop, QUEUE_LEN: self._queue_len,
-            LIST_KEYS: self._list_keys, BARRIER: self._barrier,
+            SET: self._set,
+            GET: self._get,
+            ADD: self._add,
+            COMPARE_SET: self._compare_set,
+            WAIT: self._wait,
+            CHECK: self._check,
+            DELETE: self._delete,
+            NUM_KEYS: self._num_keys,
+            PING: self._ping,
+            APPEND: self._append,
+            MULTI_GET: self._multi_get,
+            MULTI_SET: self._multi_set,
+            QUEUE_PUSH: self._queue_push,
+            QUEUE_POP: self._queue_pop,
+            QUEUE_LEN: self._queue_len,
+            LIST_KEYS: self._list_keys,
+            BARRIER: self._barrier,
         }
 
     # ----------------------------------------------------------------- public
@@ -281,13 +333,15 @@ class TCPStoreServer:
                     raise _PortTaken() from exc
                 raise DistNetworkError(
                     "The server socket has failed to listen on any local network address. "
-                    f"{self._where()}: cannot listen on {addr[0]} port {port}: {exc}") from exc
+                    f"{self._where()}: cannot listen on {addr[0]} port {port}: {exc}"
+                ) from exc
             sock.setblocking(False)
             socks.append(sock)
             port = sock.getsockname()[1]
         if not socks:
-            raise DistNetworkError("The server socket has failed to listen on any local network address. "
-                                   f"{self._where()}: {error}")
+            raise DistNetworkError(
+                f"The server socket has failed to listen on any local network address. {self._where()}: {error}"
+            )
         return socks
 
     def _adopt(self, fd: int) -> List[socket.socket]:
@@ -295,8 +349,9 @@ class TCPStoreServer:
             sock = socket.socket(fileno=fd)
             sock.listen(1024)
         except OSError as exc:
-            raise DistNetworkError(f"{self._where()}: cannot listen on the socket of master_listen_fd={fd}: {exc}") \
-                from exc
+            raise DistNetworkError(
+                f"{self._where()}: cannot listen on the socket of master_listen_fd={fd}: {exc}"
+            ) from exc
         sock.setblocking(False)
         return [sock]
 
@@ -626,8 +681,12 @@ class TCPStoreServer:
         if isinstance(exc, (ProtocolError, ValueError, UnicodeError)):
             log.debug("TCPStoreServer: dropping a connection: %s", exc)
         else:
-            log.error("TCPStoreServer %s:%s: dropping a connection after an internal error", self._host,
-                      self._port, exc_info=exc)
+            log.error(
+                "TCPStoreServer %s:%s: dropping a connection after an internal error",
+                self._host,
+                self._port,
+                exc_info=exc,
+            )
         self._close(conn)
 
     def _changed(self, key: bytes) -> None:

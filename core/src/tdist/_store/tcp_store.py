@@ -21,11 +21,45 @@ from .._work import Timeout
 from .base import DEFAULT_STORE_TIMEOUT, QueueEmptyError, Store, Value, as_bytes, wait_timeout_error
 from .table import INTERNAL_PREFIX
 from .tcp_protocol import (
-    ACK, ADD, APPEND, BARRIER, CHECK, COMPARE_SET, DELETE, EMPTY, ERROR, F64, GET, HEAD,
-    LIST_KEYS, MAGIC, MAX_ARG_BYTES, MAX_ARGS, MAX_REQUEST_BYTES, MULTI_GET, MULTI_SET, NAMES, NONCE_BYTES, NUM_KEYS,
-    PING, PROOF_BYTES, QUEUE_LEN, QUEUE_POP, QUEUE_PUSH, SERVER_HELLO_BYTES, SET, TIMEOUT, TLS_REQUIRED, TOKEN_ENV,
-    VERSION, WAIT,
-    client_proof, decode_list, encode_request, server_proof, token_bytes,
+    ACK,
+    ADD,
+    APPEND,
+    BARRIER,
+    CHECK,
+    COMPARE_SET,
+    DELETE,
+    EMPTY,
+    ERROR,
+    F64,
+    GET,
+    HEAD,
+    LIST_KEYS,
+    MAGIC,
+    MAX_ARG_BYTES,
+    MAX_ARGS,
+    MAX_REQUEST_BYTES,
+    MULTI_GET,
+    MULTI_SET,
+    NAMES,
+    NONCE_BYTES,
+    NUM_KEYS,
+    PING,
+    PROOF_BYTES,
+    QUEUE_LEN,
+    QUEUE_POP,
+    QUEUE_PUSH,
+    SERVER_HELLO_BYTES,
+    SET,
+    TIMEOUT,
+    TLS_REQUIRED,
+    TOKEN_ENV,
+    VERSION,
+    WAIT,
+    client_proof,
+    decode_list,
+    encode_request,
+    server_proof,
+    token_bytes,
 )
 from .tcp_server import HANDSHAKE_TIMEOUT, TCPStoreServer, UnresolvableHostError
 from .tls import WOULD_BLOCK, TlsConfig, describe_ssl_error
@@ -98,8 +132,9 @@ _TENANTS_LOCK = threading.Lock()
 
 def _agent_store_serves(port: int) -> bool:
     """torchelastic's agent already serves ``port`` (TORCHELASTIC_USE_AGENT_STORE and MASTER_PORT say so)."""
-    return (os.environ.get(_AGENT_STORE_ENV, "") in ("1", "True", "true")
-            and os.environ.get("MASTER_PORT", "") == str(port))
+    return os.environ.get(_AGENT_STORE_ENV, "") in ("1", "True", "true") and os.environ.get("MASTER_PORT", "") == str(
+        port
+    )
 
 
 class TCPStore(Store):
@@ -127,10 +162,21 @@ class TCPStore(Store):
     the connection; the server stops when its last user closes.
     """
 
-    def __init__(self, host_name: str, port: int, world_size: Optional[int] = None, is_master: bool = False,
-                 timeout: Timeout = DEFAULT_STORE_TIMEOUT, wait_for_workers: bool = True, multi_tenant: bool = False,
-                 master_listen_fd: Optional[int] = None, use_libuv: bool = True, *,
-                 token: Union[str, bytes, None] = None, tls: Union[TlsConfig, None, bool] = None) -> None:
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        world_size: Optional[int] = None,
+        is_master: bool = False,
+        timeout: Timeout = DEFAULT_STORE_TIMEOUT,
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        master_listen_fd: Optional[int] = None,
+        use_libuv: bool = True,
+        *,
+        token: Union[str, bytes, None] = None,
+        tls: Union[TlsConfig, None, bool] = None,
+    ) -> None:
         self._sock: Optional[socket.socket] = None
         self._io_limit = -1.0  # the send/receive timeout set on _sock
         self._lease: Optional[_ServerLease] = None
@@ -211,14 +257,16 @@ class TCPStore(Store):
                 lease = _TENANTS.get(self._port)
                 if lease is not None and lease.users > 0:
                     if not lease.server.token_matches(self._token):
-                        raise DistStoreError(f"{self._where}: multi_tenant: the server on this port runs with "
-                                             "another token")
+                        raise DistStoreError(
+                            f"{self._where}: multi_tenant: the server on this port runs with another token"
+                        )
                     lease.users += 1
                     return lease
         delay = 0.05
         while True:
-            server = TCPStoreServer(self._host, self._port, token=self._token, listen_fd=listen_fd,
-                                    tls=self._tls or False)
+            server = TCPStoreServer(
+                self._host, self._port, token=self._token, listen_fd=listen_fd, tls=self._tls or False
+            )
             try:
                 server.start()
                 break
@@ -226,7 +274,8 @@ class TCPStore(Store):
                 if time.monotonic() >= deadline:
                     raise StoreConnectTimeoutError(
                         f"{self._where}: the client socket has timed out after {_ms(self._timeout)}ms while trying "
-                        f"to connect to ({self._host}, {self._port}): {exc}") from exc
+                        f"to connect to ({self._host}, {self._port}): {exc}"
+                    ) from exc
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 1.0)
             except DistNetworkError:
@@ -270,7 +319,8 @@ class TCPStore(Store):
             if remaining <= 0:
                 raise StoreConnectTimeoutError(
                     f"{self._where}: the client socket has timed out after {_ms(self._timeout)}ms while trying to "
-                    f"connect to ({self._host}, {self._port}) (last error: {error})") from error
+                    f"connect to ({self._host}, {self._port}) (last error: {error})"
+                ) from error
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 1.0)
 
@@ -294,8 +344,9 @@ class TCPStore(Store):
         except (ssl.SSLEOFError, ssl.SSLZeroReturnError) + WOULD_BLOCK:
             raise
         except ssl.SSLError as exc:  # e.g. the server refused our certificate (TLS 1.3 says so only now)
-            raise DistStoreError(f"{self._where}: the server refused the connection: {describe_ssl_error(exc)}") \
-                from exc
+            raise DistStoreError(
+                f"{self._where}: the server refused the connection: {describe_ssl_error(exc)}"
+            ) from exc
 
     def _token_handshake(self, sock: socket.socket, limit: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -304,25 +355,33 @@ class TCPStore(Store):
         sock.sendall(MAGIC + bytes([VERSION]) + nonce)
         hello = _recv_exact(sock, SERVER_HELLO_BYTES)
         if hello[: len(MAGIC) + 1] != MAGIC + bytes([VERSION]):
-            raise DistStoreError(f"{self._where}: the server is not a tdist store of protocol version {VERSION} "
-                                 "(another program, or torch's TCPStore, listens there)")
+            raise DistStoreError(
+                f"{self._where}: the server is not a tdist store of protocol version {VERSION} "
+                "(another program, or torch's TCPStore, listens there)"
+            )
         authenticates, server_nonce = hello[len(MAGIC) + 1], hello[len(MAGIC) + 2 :]
         if authenticates == TLS_REQUIRED:
-            raise DistStoreError(f"{self._where}: the server requires TLS and this store has none: set TDIST_TLS_CA "
-                                 "(and TDIST_TLS_CERT / TDIST_TLS_KEY when it asks for client certificates)")
+            raise DistStoreError(
+                f"{self._where}: the server requires TLS and this store has none: set TDIST_TLS_CA "
+                "(and TDIST_TLS_CERT / TDIST_TLS_KEY when it asks for client certificates)"
+            )
         if not authenticates:
             if self._token:
                 raise DistStoreError(
                     f"{self._where}: refusing the server: this store holds a token but the server does not "
-                    "authenticate (token downgrade); a process without the token may be squatting the port")
+                    "authenticate (token downgrade); a process without the token may be squatting the port"
+                )
             return
         if not self._token:
-            raise DistStoreError(f"{self._where}: authentication failed: the server requires a token "
-                                 f"(pass token= or set {TOKEN_ENV})")
+            raise DistStoreError(
+                f"{self._where}: authentication failed: the server requires a token (pass token= or set {TOKEN_ENV})"
+            )
         proof = _recv_exact(sock, PROOF_BYTES)
         if not hmac.compare_digest(proof, server_proof(self._token, nonce, server_nonce)):
-            raise DistStoreError(f"{self._where}: authentication failed: the server could not prove it knows "
-                                 "this store's token (the tokens differ, or an impostor squats the port); refusing it")
+            raise DistStoreError(
+                f"{self._where}: authentication failed: the server could not prove it knows "
+                "this store's token (the tokens differ, or an impostor squats the port); refusing it"
+            )
         sock.sendall(client_proof(self._token, nonce, server_nonce))
         ack = sock.recv(1)
         if not ack:  # shed under load or past the deadline, not refused: the caller retries
@@ -343,7 +402,8 @@ class TCPStore(Store):
             raise DistStoreTimeoutError(
                 f"{self._where}: Timed out after {int(round(self._timeout))} seconds waiting for clients. "
                 f"{arrived}/{self._world_size} clients joined. (timeout {self._timeout:g} s: every rank must create "
-                "its TCPStore within it)")
+                "its TCPStore within it)"
+            )
 
     # --------------------------------------------------------------- requests
     def _request(self, cmd: int, args: Sequence[bytes], wait: Optional[float] = None) -> Tuple[int, bytes]:
@@ -351,7 +411,8 @@ class TCPStore(Store):
         frame = encode_request(cmd, args)
         if len(frame) > MAX_ARG_BYTES and any(len(arg) > MAX_ARG_BYTES for arg in args):
             raise DistStoreError(
-                f"{self._where}: {NAMES[cmd]}: an argument exceeds the {MAX_ARG_BYTES >> 20} MiB limit")
+                f"{self._where}: {NAMES[cmd]}: an argument exceeds the {MAX_ARG_BYTES >> 20} MiB limit"
+            )
         limit = (self._timeout if wait is None else wait) + _SOCKET_MARGIN
         with self._lock:
             if self._closed:
@@ -367,12 +428,14 @@ class TCPStore(Store):
                 status, payload = self._read_reply(sock)
             except (socket.timeout, BlockingIOError) + WOULD_BLOCK as exc:  # SO_RCVTIMEO/SO_SNDTIMEO expired
                 self._drop_connection()
-                raise DistStoreTimeoutError(f"{self._where}: {NAMES[cmd]}: no reply within {limit:g} s (timeout); "
-                                            "connection dropped") from exc
+                raise DistStoreTimeoutError(
+                    f"{self._where}: {NAMES[cmd]}: no reply within {limit:g} s (timeout); connection dropped"
+                ) from exc
             except OSError as exc:
                 self._drop_connection()
-                raise StoreConnectionError(f"{self._where}: connection to the server lost during "
-                                           f"{NAMES[cmd]}: {exc}") from exc
+                raise StoreConnectionError(
+                    f"{self._where}: connection to the server lost during {NAMES[cmd]}: {exc}"
+                ) from exc
         if status == ERROR:
             raise DistStoreError(f"{self._where}: {payload.decode('utf-8', 'replace')}")
         return status, payload
@@ -395,7 +458,7 @@ class TCPStore(Store):
             data = data + _recv_exact(sock, end - len(data))
         elif len(data) > end:
             raise ConnectionError("the server sent more than one reply")
-        return status, data[HEAD.size:]
+        return status, data[HEAD.size :]
 
     def _drop_connection(self) -> None:
         if self._sock is not None:
@@ -438,8 +501,9 @@ class TCPStore(Store):
 
     def check(self, keys: Sequence[str]) -> bool:
         encoded = [k.encode() for k in keys]
-        return all(self._request(CHECK, encoded[i : i + MAX_ARGS])[1] == b"\x01"
-                   for i in range(0, len(encoded), MAX_ARGS))
+        return all(
+            self._request(CHECK, encoded[i : i + MAX_ARGS])[1] == b"\x01" for i in range(0, len(encoded), MAX_ARGS)
+        )
 
     def delete_key(self, key: str) -> bool:
         return self._request(DELETE, [key.encode()])[1] == b"\x01"
@@ -485,12 +549,12 @@ class TCPStore(Store):
 
     def barrier(self, key: str, world_size: int, timeout: Timeout = None) -> None:
         limit = self._limit(timeout)
-        status, payload = self._request(BARRIER, [F64.pack(limit), key.encode(), str(int(world_size)).encode()],
-                                        limit)
+        status, payload = self._request(BARRIER, [F64.pack(limit), key.encode(), str(int(world_size)).encode()], limit)
         if status == TIMEOUT:
             arrived = decode_list(payload)[1].decode()
-            raise DistStoreTimeoutError(f"{self._where}: barrier timeout after {_ms(limit)}ms, key: {key} "
-                                        f"({arrived} of {world_size} arrived)")
+            raise DistStoreTimeoutError(
+                f"{self._where}: barrier timeout after {_ms(limit)}ms, key: {key} ({arrived} of {world_size} arrived)"
+            )
 
     def clone(self) -> "TCPStore":
         """Another connection to the same server (for another thread); it keeps the server alive too."""
@@ -529,4 +593,3 @@ class TCPStore(Store):
             self.close()
         except Exception:  # interpreter shutdown: nothing to report to
             pass
-

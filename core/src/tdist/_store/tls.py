@@ -63,7 +63,7 @@ class TlsConfig:
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> Optional["TlsConfig"]:
         """The configuration the ``TDIST_TLS_*`` variables give, or None when TLS is off."""
         env = os.environ if env is None else env
-        return cls.from_mapping({k[len("TDIST_TLS_"):].lower(): env.get(k) for k in TLS_ENV})
+        return cls.from_mapping({k[len("TDIST_TLS_") :].lower(): env.get(k) for k in TLS_ENV})
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, object]) -> Optional["TlsConfig"]:
@@ -86,8 +86,10 @@ class TlsConfig:
             return None
         config = cls.from_env()
         if config is None and tls is True:
-            raise TlsError("tls=True but no TLS is configured: set TDIST_TLS_CA (clients) and TDIST_TLS_CERT / "
-                           "TDIST_TLS_KEY (servers), or pass a TlsConfig")
+            raise TlsError(
+                "tls=True but no TLS is configured: set TDIST_TLS_CA (clients) and TDIST_TLS_CERT / "
+                "TDIST_TLS_KEY (servers), or pass a TlsConfig"
+            )
         return config
 
     def server_context(self, where: str) -> ssl.SSLContext:
@@ -106,8 +108,9 @@ class TlsConfig:
         """The context of a connecting side: verifies the server against ``ca`` (and its name
         unless ``check_hostname`` is off); presents ``cert`` when one is configured."""
         if not self.ca:
-            raise TlsError(f"{where}: TLS is configured but a client needs the CA bundle to verify the server "
-                           "(TDIST_TLS_CA)")
+            raise TlsError(
+                f"{where}: TLS is configured but a client needs the CA bundle to verify the server (TDIST_TLS_CA)"
+            )
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         self._load_ca(ctx, where)
@@ -121,8 +124,7 @@ class TlsConfig:
         try:
             ctx.load_cert_chain(self.cert, self.key)  # type: ignore[arg-type]
         except (OSError, ssl.SSLError) as exc:
-            raise TlsError(f"{where}: cannot load the TLS certificate {self.cert!r} / key {self.key!r}: {exc}") \
-                from exc
+            raise TlsError(f"{where}: cannot load the TLS certificate {self.cert!r} / key {self.key!r}: {exc}") from exc
 
     def _load_ca(self, ctx: ssl.SSLContext, where: str) -> None:
         if not self.ca:
@@ -136,12 +138,19 @@ class TlsConfig:
 def describe_ssl_error(exc: ssl.SSLError) -> str:
     """A sentence explaining a failed TLS handshake (wrong CA, name mismatch, a peer without TLS)."""
     if isinstance(exc, ssl.SSLCertVerificationError):
-        return (f"the peer's certificate was rejected ({exc.verify_message or exc}): it does not chain to "
-                "TDIST_TLS_CA, or does not name this address (TDIST_TLS_CHECK_HOSTNAME=0 checks only the chain)")
+        return (
+            f"the peer's certificate was rejected ({exc.verify_message or exc}): it does not chain to "
+            "TDIST_TLS_CA, or does not name this address (TDIST_TLS_CHECK_HOSTNAME=0 checks only the chain)"
+        )
     reason = getattr(exc, "reason", None) or str(exc)
     if "CERTIFICATE_REQUIRED" in reason:
         return "the server requires a client certificate (TDIST_TLS_CERT and TDIST_TLS_KEY) and got none"
-    if reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST",
-                  "UNKNOWN_PROTOCOL"):
+    if reason in (
+        "WRONG_VERSION_NUMBER",
+        "RECORD_LAYER_FAILURE",
+        "PACKET_LENGTH_TOO_LONG",
+        "HTTP_REQUEST",
+        "UNKNOWN_PROTOCOL",
+    ):
         return f"the peer does not speak TLS ({reason}): it runs without TDIST_TLS_* configured"
     return f"TLS handshake failed: {exc}"

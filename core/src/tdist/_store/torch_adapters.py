@@ -83,8 +83,11 @@ class TorchStore(Store):
         return int(self._call("add", [key], lambda: self.torch_store.add(key, int(amount))))
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
-        return bytes(self._call("compare_set", [key],
-                                lambda: self.torch_store.compare_set(key, as_bytes(expected), as_bytes(desired))))
+        return bytes(
+            self._call(
+                "compare_set", [key], lambda: self.torch_store.compare_set(key, as_bytes(expected), as_bytes(desired))
+            )
+        )
 
     def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:
         limit = self._limit(timeout)
@@ -132,8 +135,7 @@ class TorchStore(Store):
     def queue_pop(self, key: str, block: bool = True, timeout: Timeout = None) -> bytes:
         if block and timeout is not None:
             self.wait([key], timeout)  # torch's queue_pop waits the store's timeout: honour a shorter one first
-        return bytes(self._call("queue_pop", [key], lambda: self.torch_store.queue_pop(key, block),
-                                self._limit(None)))
+        return bytes(self._call("queue_pop", [key], lambda: self.torch_store.queue_pop(key, block), self._limit(None)))
 
     def queue_len(self, key: str) -> int:
         return int(self._call("queue_len", [key], lambda: self.torch_store.queue_len(key)))

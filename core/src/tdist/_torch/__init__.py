@@ -25,7 +25,13 @@ from typing import Any, Optional, Sequence
 from tdist_autoload import BRIDGE_ENV, bridge_disabled, register
 
 __all__ = [
-    "wanted", "torch_is_free", "mirror_world", "mirror_new_group", "forget", "forget_all", "register_with_torch",
+    "wanted",
+    "torch_is_free",
+    "mirror_world",
+    "mirror_new_group",
+    "forget",
+    "forget_all",
+    "register_with_torch",
     "BRIDGE_ENV",
 ]
 

@@ -60,7 +60,10 @@ def mirror_world(world: ProcessGroup) -> None:
 
 
 def mirror_new_group(
-    pg: Optional[ProcessGroup], members: Sequence[int], devices: dict[str, str], group_desc: Optional[str],
+    pg: Optional[ProcessGroup],
+    members: Sequence[int],
+    devices: dict[str, str],
+    group_desc: Optional[str],
 ) -> None:
     """Mirror the group tdist's ``new_group`` made of ``members`` (``pg`` is None on the
     ranks outside it, which still call torch's ``new_group``: tdist's ``new_group`` is
@@ -71,8 +74,10 @@ def mirror_new_group(
     world = STATE.world
     assert world is not None
     kwargs: dict[str, Any] = dict(
-        backend=torch_backend_string(devices), timeout=world.timeout if pg is None else pg.timeout,
-        group_desc=group_desc, sort_ranks=False,
+        backend=torch_backend_string(devices),
+        timeout=world.timeout if pg is None else pg.timeout,
+        group_desc=group_desc,
+        sort_ranks=False,
     )
     if pg is None:
         torch_dist.new_group(list(members), **kwargs)

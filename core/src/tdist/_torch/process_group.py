@@ -44,7 +44,6 @@ from .work import BridgeWork, all_of
 __all__ = ["TorchProcessGroup", "as_reduction", "checked_reduction"]
 
 
-
 class _Finished(BridgeWork):
     """What a blocking call returns once it has waited: torch only calls ``wait()`` on it."""
 
@@ -57,8 +56,14 @@ _FINISHED = _Finished(Work.completed("finished"), ())
 _TORCH_REDUCE_OP = torch_dist.ReduceOp
 _RED: Any = _TORCH_REDUCE_OP.RedOpType  # pybind enum: torch's stubs do not list its members
 _PLAIN = {
-    _RED.SUM: ReduceOp.SUM, _RED.PRODUCT: ReduceOp.PRODUCT, _RED.MIN: ReduceOp.MIN, _RED.MAX: ReduceOp.MAX,
-    _RED.BAND: ReduceOp.BAND, _RED.BOR: ReduceOp.BOR, _RED.BXOR: ReduceOp.BXOR, _RED.AVG: ReduceOp.AVG,
+    _RED.SUM: ReduceOp.SUM,
+    _RED.PRODUCT: ReduceOp.PRODUCT,
+    _RED.MIN: ReduceOp.MIN,
+    _RED.MAX: ReduceOp.MAX,
+    _RED.BAND: ReduceOp.BAND,
+    _RED.BOR: ReduceOp.BOR,
+    _RED.BXOR: ReduceOp.BXOR,
+    _RED.AVG: ReduceOp.AVG,
 }
 # Keyed by the operator's integer value: hashing pybind's enum, or reading ReduceOp.op,
 # costs about a microsecond, while hash(ReduceOp) is that integer (checked here).
@@ -138,8 +143,10 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
 
     def __repr__(self) -> str:
         g = self.tdist_group
-        return (f"<ProcessGroup {g.name!r} ranks={g.ranks} backend={g.backend_name!r} "
-                f"(tdist, torch: {self._backend_name!r})>")
+        return (
+            f"<ProcessGroup {g.name!r} ranks={g.ranks} backend={g.backend_name!r} "
+            f"(tdist, torch: {self._backend_name!r})>"
+        )
 
     # ------------------------------------------------------------- identity
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -204,8 +211,14 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
 
     # ------------------------------------------------------------- plumbing
     def _run(
-        self, operation: str, device: str, call: Callable[[Backend], Work], outputs: Sequence[Any],
-        tensors: Sequence[torch.Tensor], copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), opts: Any = None,
+        self,
+        operation: str,
+        device: str,
+        call: Callable[[Backend], Work],
+        outputs: Sequence[Any],
+        tensors: Sequence[torch.Tensor],
+        copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+        opts: Any = None,
     ) -> BridgeWork:
         """Issue ``call`` on the tdist group. torch's blocking calls (``opts.asyncOp`` False:
         torch waits at once and drops the Work) wait here and get a shared finished Work."""
@@ -223,6 +236,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         if not work.is_completed():
             key = id(work)
             self._in_flight[key] = (work, outputs, tensors)
+
             def _forget(_done: Work) -> None:
                 self._in_flight.pop(key, None)
 
@@ -241,15 +255,23 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         reduction = checked_reduction(opts, tensor.dtype, "all_reduce")
         copies: list = []
         t = tensor if tensor.is_contiguous() else contiguous_view(tensor, copies, output=True)
-        return self._run("all_reduce", "cpu" if tensor.is_cpu else tensor.device.type,
-                         lambda b: b.all_reduce(t, reduction), tensors, (tensor,), copies, opts)
+        return self._run(
+            "all_reduce",
+            "cpu" if tensor.is_cpu else tensor.device.type,
+            lambda b: b.all_reduce(t, reduction),
+            tensors,
+            (tensor,),
+            copies,
+            opts,
+        )
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
         checked = check_tensor_list("all_reduce_coalesced", "tensors", tensors, same_numel=False)
         reduction = checked_reduction(opts, checked[0].dtype, "all_reduce_coalesced")
         flat = torch.cat([t.reshape(-1) for t in checked])
-        work = issue(self.tdist_group, "all_reduce", _device(flat), lambda b: b.all_reduce(flat, reduction), True,
-                     (), (flat,))
+        work = issue(
+            self.tdist_group, "all_reduce", _device(flat), lambda b: b.all_reduce(flat, reduction), True, (), (flat,)
+        )
         assert work is not None
         return self._bridge(StagedWork(work, list(zip(checked, _pieces(flat, checked)))), tensors, (flat,))
 
@@ -258,8 +280,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         root = check_root("broadcast", self.tdist_group, "src", opts.rootRank if opts is not None else 0)
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
-        return self._run("broadcast", _device(tensor), lambda b: b.broadcast(t, root), tensors, (tensor,), copies,
-                         opts)
+        return self._run("broadcast", _device(tensor), lambda b: b.broadcast(t, root), tensors, (tensor,), copies, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:  # type: ignore[override]
         tensor = _one(tensors, "reduce")
@@ -267,19 +288,26 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         root = check_root("reduce", self.tdist_group, "dst", opts.rootRank if opts is not None else 0)
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
-        return self._run("reduce", _device(tensor), lambda b: b.reduce(t, root, reduction), tensors, (tensor,),
-                         copies, opts)
+        return self._run(
+            "reduce", _device(tensor), lambda b: b.reduce(t, root, reduction), tensors, (tensor,), copies, opts
+        )
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
-                  opts: Any = None) -> BridgeWork:
+    def allgather(  # type: ignore[override]
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> BridgeWork:
         tensor = _one(input_tensors, "all_gather")
-        outputs = check_tensor_list("all_gather", "tensor_list", _one(output_tensors, "all_gather"),
-                                    self.tdist_group.size, like=tensor)
+        outputs = check_tensor_list(
+            "all_gather", "tensor_list", _one(output_tensors, "all_gather"), self.tdist_group.size, like=tensor
+        )
         copies: list = []
         staged = [contiguous_view(o, copies, output=True) for o in outputs]
         t = contiguous_view(tensor, None, output=False)
-        return self._run("all_gather", _device(tensor), lambda b: b.all_gather(staged, t), output_tensors,
-                         (tensor,), copies, opts)
+        return self._run(
+            "all_gather", _device(tensor), lambda b: b.all_gather(staged, t), output_tensors, (tensor,), copies, opts
+        )
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> BridgeWork:
         check_same_dtype("all_gather_into_tensor", "output_tensor", output, "input_tensor", input)
@@ -287,28 +315,40 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         copies: list = []
         out = contiguous_view(output, copies, output=True)
         inp = contiguous_view(input, None, output=False)
-        return self._run("all_gather_into_tensor", _device(input), lambda b: b.all_gather_into_tensor(out, inp),
-                         [output], (input,), copies, opts)
+        return self._run(
+            "all_gather_into_tensor",
+            _device(input),
+            lambda b: b.all_gather_into_tensor(out, inp),
+            [output],
+            (input,),
+            copies,
+            opts,
+        )
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
-                            opts: Any = None) -> BridgeWork:
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None
+    ) -> BridgeWork:
         """``output_lists[r][i]`` receives rank r's ``input_list[i]``: one all_gather per input."""
         if len(output_lists) != self.tdist_group.size:
-            raise ValueError(f"all_gather_coalesced: output_tensor_lists has {len(output_lists)} lists, "
-                             f"the group {self.tdist_group.size} ranks")
+            raise ValueError(
+                f"all_gather_coalesced: output_tensor_lists has {len(output_lists)} lists, "
+                f"the group {self.tdist_group.size} ranks"
+            )
         works = []
         for i, tensor in enumerate(input_list):
             outputs = [per_rank[i] for per_rank in output_lists]
             works.append(self.allgather([outputs], [tensor], None).tdist_work)
         return self._each("all_gather_coalesced", works, output_lists)
 
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                    opts: Any = None) -> BridgeWork:
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> BridgeWork:
         works = [self.all_gather_single(o, i, None).tdist_work for o, i in zip(outputs, inputs)]
         return self._each("all_gather_into_tensor_coalesced", works, outputs)
 
-    def _root_list(self, operation: str, name: str, lists: Sequence[Any], root: int, like: torch.Tensor,
-                   role: str) -> Optional[list[torch.Tensor]]:
+    def _root_list(
+        self, operation: str, name: str, lists: Sequence[Any], root: int, like: torch.Tensor, role: str
+    ) -> Optional[list[torch.Tensor]]:
         """The root's list of gather/scatter (torch passes ``[list]``), checked; None on the
         other ranks, where torch passes an empty one."""
         pg = self.tdist_group
@@ -320,39 +360,61 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
             )
         return None
 
-    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
-               opts: Any = None) -> BridgeWork:
+    def gather(  # type: ignore[override]
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> BridgeWork:
         tensor = _one(input_tensors, "gather")
         root = check_root("gather", self.tdist_group, "dst", opts.rootRank if opts is not None else 0)
         outputs = self._root_list("gather", "gather_list", output_tensors, root, tensor, "destination")
         copies: list = []
         staged = None if outputs is None else [contiguous_view(o, copies, output=True) for o in outputs]
         t = contiguous_view(tensor, None, output=False)
-        return self._run("gather", _device(tensor), lambda b: b.gather(t, staged, root), output_tensors,
-                         (tensor,), copies, opts)
+        return self._run(
+            "gather", _device(tensor), lambda b: b.gather(t, staged, root), output_tensors, (tensor,), copies, opts
+        )
 
-    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
-                opts: Any = None) -> BridgeWork:
+    def scatter(  # type: ignore[override]
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> BridgeWork:
         tensor = _one(output_tensors, "scatter")
         root = check_root("scatter", self.tdist_group, "src", opts.rootRank if opts is not None else 0)
         checked = self._root_list("scatter", "scatter_list", input_tensors, root, tensor, "source")
         inputs = None if checked is None else [contiguous_view(i, None, output=False) for i in checked]
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
-        return self._run("scatter", _device(tensor), lambda b: b.scatter(t, inputs, root), output_tensors,
-                         (tensor,), copies, opts)
+        return self._run(
+            "scatter", _device(tensor), lambda b: b.scatter(t, inputs, root), output_tensors, (tensor,), copies, opts
+        )
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
-                       opts: Any = None) -> BridgeWork:
+    def reduce_scatter(  # type: ignore[override]
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> BridgeWork:
         output = _one(output_tensors, "reduce_scatter")
         reduction = checked_reduction(opts, output.dtype, "reduce_scatter")
-        inputs = check_tensor_list("reduce_scatter", "input_list", _one(input_tensors, "reduce_scatter"),
-                                   self.tdist_group.size, like=output)
+        inputs = check_tensor_list(
+            "reduce_scatter", "input_list", _one(input_tensors, "reduce_scatter"), self.tdist_group.size, like=output
+        )
         copies: list = []
         out = contiguous_view(output, copies, output=True)
         staged = [contiguous_view(i, None, output=False) for i in inputs]
-        return self._run("reduce_scatter", _device(output), lambda b: b.reduce_scatter(out, staged, reduction),
-                         output_tensors, (output,), copies, opts)
+        return self._run(
+            "reduce_scatter",
+            _device(output),
+            lambda b: b.reduce_scatter(out, staged, reduction),
+            output_tensors,
+            (output,),
+            copies,
+            opts,
+        )
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> BridgeWork:
         check_same_dtype("reduce_scatter_tensor", "output", output, "input", input)
@@ -361,37 +423,67 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         copies: list = []
         out = contiguous_view(output, copies, output=True)
         inp = contiguous_view(input, None, output=False)
-        return self._run("reduce_scatter_tensor", _device(output),
-                         lambda b: b.reduce_scatter_tensor(out, inp, reduction), [output], (input,), copies, opts)
+        return self._run(
+            "reduce_scatter_tensor",
+            _device(output),
+            lambda b: b.reduce_scatter_tensor(out, inp, reduction),
+            [output],
+            (input,),
+            copies,
+            opts,
+        )
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> BridgeWork:
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> BridgeWork:
         works = [self.reduce_scatter_single(o, i, opts).tdist_work for o, i in zip(outputs, inputs)]
         return self._each("reduce_scatter_tensor_coalesced", works, outputs)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
-                          input_split_sizes: Sequence[int], opts: Any = None) -> BridgeWork:
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        opts: Any = None,
+    ) -> BridgeWork:
         check_same_dtype("all_to_all_single", "output", output, "input", input)
-        out_splits, in_splits = check_all_to_all_splits(output, input, list(output_split_sizes),
-                                                        list(input_split_sizes), self.tdist_group.size)
+        out_splits, in_splits = check_all_to_all_splits(
+            output, input, list(output_split_sizes), list(input_split_sizes), self.tdist_group.size
+        )
         copies: list = []
         out = contiguous_view(output, copies, output=True)
         inp = contiguous_view(input, None, output=False)
-        return self._run("all_to_all_single", _device(input),
-                         lambda b: b.all_to_all_single(out, inp, out_splits, in_splits), [output], (input,), copies,
-                         opts)
+        return self._run(
+            "all_to_all_single",
+            _device(input),
+            lambda b: b.all_to_all_single(out, inp, out_splits, in_splits),
+            [output],
+            (input,),
+            copies,
+            opts,
+        )
 
-    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: Any = None) -> BridgeWork:
+    def alltoall(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> BridgeWork:
         size = self.tdist_group.size
         inputs = check_tensor_list("all_to_all", "input_tensor_list", input_tensors, size, same_numel=False)
-        outputs = check_tensor_list("all_to_all", "output_tensor_list", output_tensors, size, like=inputs[0],
-                                    same_numel=False)
+        outputs = check_tensor_list(
+            "all_to_all", "output_tensor_list", output_tensors, size, like=inputs[0], same_numel=False
+        )
         copies: list = []
         outs = [contiguous_view(o, copies, output=True) for o in outputs]
         ins = [contiguous_view(i, None, output=False) for i in inputs]
-        return self._run("all_to_all", _device(inputs[0]), lambda b: b.all_to_all(outs, ins), output_tensors,
-                         input_tensors, copies, opts)
+        return self._run(
+            "all_to_all",
+            _device(inputs[0]),
+            lambda b: b.all_to_all(outs, ins),
+            output_tensors,
+            input_tensors,
+            copies,
+            opts,
+        )
 
     def barrier(self, opts: Any = None) -> BridgeWork:
         device = getattr(opts, "device", None)

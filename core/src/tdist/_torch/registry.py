@@ -29,8 +29,7 @@ from .._plugins import plugins
 from .._store.torch_adapters import from_torch_store
 from .process_group import TorchProcessGroup
 
-__all__ = ["register_torch_backends", "create_torch_group", "adopting", "torch_backend_string", "mirror",
-           "is_mirrored"]
+__all__ = ["register_torch_backends", "create_torch_group", "adopting", "torch_backend_string", "mirror", "is_mirrored"]
 
 _adopting: Optional[ProcessGroup] = None
 
@@ -81,8 +80,9 @@ def adopting(pg: ProcessGroup) -> Iterator[None]:
 def _check_bridgeable(name: str) -> None:
     spec = get_backend_spec(name)
     if spec.torch_bridge is not None:
-        raise DistError(f"{torch_backend_name(name)}: tdist's backend {name!r} cannot serve torch.distributed: "
-                        f"{spec.torch_bridge}")
+        raise DistError(
+            f"{torch_backend_name(name)}: tdist's backend {name!r} cannot serve torch.distributed: {spec.torch_bridge}"
+        )
 
 
 def _options(pg_options: Any) -> dict[str, Any]:
@@ -133,8 +133,9 @@ def _default_group(name: str, store: Any, rank: int, size: int, timeout: Any, op
     own, when the program initialised tdist first without the bridge and the worlds agree)."""
     world = STATE.world
     if world is None:
-        init_process_group(name, store=store, rank=rank, world_size=size, timeout=timeout, pg_options=options,
-                           torch_bridge=False)
+        init_process_group(
+            name, store=store, rank=rank, world_size=size, timeout=timeout, pg_options=options, torch_bridge=False
+        )
         world = STATE.world
         assert world is not None
     elif (world.rank, world.size) != (rank, size) or world.backend_name != name:

@@ -25,15 +25,26 @@ from .report import annotate, table, write_csv, write_json
 from .runner import mpi_available, run_world
 from .workers import OPS
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+}
 
 
 def parse_size(text: str) -> int:
     """``4``, ``256K``, ``4MiB``, ``1G`` -> bytes."""
     s = text.strip().upper().replace(" ", "")
     digits = s.rstrip("KMGIB")
-    unit = s[len(digits):]
+    unit = s[len(digits) :]
     if not digits or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"bad size {text!r} (examples: 4, 256K, 4M, 64MiB)")
     return int(float(digits) * _UNITS[unit])
@@ -51,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tdist.bench",
         description="Time tdist collectives against torch.distributed's gloo and raw mpi4py "
-                    "(in the spirit of nccl-tests' all_reduce_perf).",
+        "(in the spirit of nccl-tests' all_reduce_perf).",
     )
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated operations (default: {','.join(OPS)})")
     p.add_argument("--sizes", help="comma-separated sizes in bytes (4,1K,256K,4M); overrides --min/--max-size")
@@ -59,40 +70,62 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-size", type=parse_size, default=64 << 20, help="largest size (default 64M)")
     p.add_argument("--factor", type=int, default=4, choices=(2, 4), help="size step factor (default 4)")
     p.add_argument("--world-sizes", default="2,4", help="comma-separated numbers of ranks (default 2,4)")
-    p.add_argument("--backends", default="tcp,gloo,mpi",
-                   help="comma-separated: tcp (tdist's), gloo (torch.distributed's), mpi (raw mpi4py), "
-                        "tdist-gloo, tdist-mpi (default tcp,gloo,mpi)")
+    p.add_argument(
+        "--backends",
+        default="tcp,gloo,mpi",
+        help="comma-separated: tcp (tdist's), gloo (torch.distributed's), mpi (raw mpi4py), "
+        "tdist-gloo, tdist-mpi (default tcp,gloo,mpi)",
+    )
     p.add_argument("--no-mpi", action="store_true", help="do not start the workers under mpirun")
     p.add_argument("--repeats", type=int, default=5, help="timed samples per backend and size (median; default 5)")
     p.add_argument("--sample-time", type=float, default=0.05, help="seconds per sample (default 0.05)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before sampling (default 3)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check of each op and size")
-    p.add_argument("--option", action="append", default=[], metavar="BACKEND:KEY=VALUE",
-                   help="backend option (pg_options), e.g. tcp:shm=0; repeatable")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="BACKEND:KEY=VALUE",
+        help="backend option (pg_options), e.g. tcp:shm=0; repeatable",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per world size")
     p.add_argument("--csv", metavar="FILE", help="also write the results as CSV")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="FILE", help="also plot bus bandwidth against size (PNG; needs matplotlib)")
     p.add_argument("--reference", default="gloo", help="backend the ratio columns divide by (default gloo)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each result as it is measured")
-    p.add_argument("--core-overhead", action="store_true",
-                   help="measure the core's own cost per call at world size 1 instead")
-    p.add_argument("--recorder-overhead", action="store_true",
-                   help="measure what tdist-debug's flight recorder adds per call at world size 1 instead")
-    p.add_argument("--iters", type=int, default=20000,
-                   help="calls per sample for --core-overhead and --recorder-overhead")
-    p.add_argument("--store", action="store_true",
-                   help="measure the TCPStore instead, against torch's: multi_get against single gets, "
-                        "and --store-clients clients doing --store-ops adds each")
+    p.add_argument(
+        "--core-overhead", action="store_true", help="measure the core's own cost per call at world size 1 instead"
+    )
+    p.add_argument(
+        "--recorder-overhead",
+        action="store_true",
+        help="measure what tdist-debug's flight recorder adds per call at world size 1 instead",
+    )
+    p.add_argument(
+        "--iters", type=int, default=20000, help="calls per sample for --core-overhead and --recorder-overhead"
+    )
+    p.add_argument(
+        "--store",
+        action="store_true",
+        help="measure the TCPStore instead, against torch's: multi_get against single gets, "
+        "and --store-clients clients doing --store-ops adds each",
+    )
     p.add_argument("--store-clients", type=int, default=16, help="client processes for --store (default 16)")
     p.add_argument("--store-ops", type=int, default=1000, help="adds per client for --store (default 1000)")
     p.add_argument("--store-keys", type=int, default=100, help="keys per multi_get for --store (default 100)")
-    p.add_argument("--tls", action="store_true",
-                   help="tcp over sockets with TLS against without (throwaway certificates; needs openssl); "
-                        "default: all_reduce of 16M on 2 ranks")
-    p.add_argument("--ddp", action="store_true",
-                   help="time torch's DistributedDataParallel steps on tdist-tcp against torch's gloo instead "
-                        "(--world-sizes, --repeats apply)")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="tcp over sockets with TLS against without (throwaway certificates; needs openssl); "
+        "default: all_reduce of 16M on 2 ranks",
+    )
+    p.add_argument(
+        "--ddp",
+        action="store_true",
+        help="time torch's DistributedDataParallel steps on tdist-tcp against torch's gloo instead "
+        "(--world-sizes, --repeats apply)",
+    )
     p.add_argument("--ddp-steps", type=int, default=5, help="training steps per sample for --ddp")
     p.add_argument("--ddp-batch", type=int, default=16, help="rows per rank per step for --ddp (default 16)")
     return p
@@ -141,8 +174,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from .ddp import ddp_bench, format_ddp
 
         worlds = [int(w) for w in args.world_sizes.split(",") if w.strip()]
-        rows = ddp_bench(worlds, steps=args.ddp_steps, repeats=args.repeats, batch=args.ddp_batch,
-                         timeout=args.timeout)
+        rows = ddp_bench(worlds, steps=args.ddp_steps, repeats=args.repeats, batch=args.ddp_batch, timeout=args.timeout)
         print(format_ddp(rows))
         if args.json:
             write_json(args.json, rows, {"mode": "ddp"})
@@ -181,8 +213,14 @@ def _collectives(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
         print("tdist.bench: tdist-mpi needs mpirun; skipped", file=sys.stderr)
         backends = [b for b in backends if b != "tdist-mpi"]
     cfg = {
-        "ops": ops, "sizes": sizes, "backends": backends, "repeats": args.repeats, "sample_time": args.sample_time,
-        "warmup": args.warmup, "check": not args.no_check, "options": _options(args.option),
+        "ops": ops,
+        "sizes": sizes,
+        "backends": backends,
+        "repeats": args.repeats,
+        "sample_time": args.sample_time,
+        "warmup": args.warmup,
+        "check": not args.no_check,
+        "options": _options(args.option),
         "timeout": min(args.timeout, 300.0),
     }
     results: list[dict] = []
@@ -191,9 +229,15 @@ def _collectives(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
         results.extend(run_world(world, cfg, use_mpi, args.timeout, args.verbose))
     results = annotate(results)
     print(table(results, backends, args.reference))
-    meta = {"argv": sys.argv[1:] if argv is None else argv, "backends": backends, "mpirun": use_mpi,
-            "host": platform.node(), "python": platform.python_version(), "started": started,
-            "seconds": time.time() - started}
+    meta = {
+        "argv": sys.argv[1:] if argv is None else argv,
+        "backends": backends,
+        "mpirun": use_mpi,
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "started": started,
+        "seconds": time.time() - started,
+    }
     if args.csv:
         write_csv(args.csv, results)
     if args.json:

@@ -29,8 +29,9 @@ __all__ = ["ddp_bench", "format_ddp", "main", "WIDTH", "LAYERS"]
 WIDTH, LAYERS = 1024, 4
 
 
-def ddp_bench(world_sizes: list[int], steps: int = 5, repeats: int = 5, batch: int = 16,
-              timeout: float = 900.0) -> list[dict]:
+def ddp_bench(
+    world_sizes: list[int], steps: int = 5, repeats: int = 5, batch: int = 16, timeout: float = 900.0
+) -> list[dict]:
     """Run the workers of each world size; one result per (world size, backend)."""
     from .runner import run_world
 
@@ -54,10 +55,14 @@ def format_ddp(results: list[dict]) -> str:
     for world, rows in sorted(by_world.items()):
         ours, gloo, local = (rows[name]["step_s"] for name in ("tdist-tcp", "gloo", "local"))
         cost = (ours - local) / (gloo - local) if gloo > local else float("nan")
-        lines.append(f"  {world:>5}  {ours * 1e3:9.1f} ms  {gloo * 1e3:9.1f} ms  {ours / gloo:6.2f}x  "
-                     f"{local * 1e3:9.1f} ms  {cost:13.2f}x")
-    lines.append("  (ratio: tdist-tcp's step time / gloo's, target <= 0.8x; no DDP: the same step without DDP, in\n"
-                 "   the same processes; DDP cost ratio: what DDP adds to it on tdist-tcp / on gloo)")
+        lines.append(
+            f"  {world:>5}  {ours * 1e3:9.1f} ms  {gloo * 1e3:9.1f} ms  {ours / gloo:6.2f}x  "
+            f"{local * 1e3:9.1f} ms  {cost:13.2f}x"
+        )
+    lines.append(
+        "  (ratio: tdist-tcp's step time / gloo's, target <= 0.8x; no DDP: the same step without DDP, in\n"
+        "   the same processes; DDP cost ratio: what DDP adds to it on tdist-tcp / on gloo)"
+    )
     return "\n".join(lines)
 
 
@@ -88,8 +93,13 @@ def run(cfg: dict, rank: int, world: int, under_mpi: bool = False) -> list[dict]
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    torch_dist.init_process_group("tdist-tcp", init_method=f"tcp://127.0.0.1:{cfg['ports']['tdist']}", rank=rank,
-                                  world_size=world, timeout=timedelta(seconds=float(cfg["timeout"])))
+    torch_dist.init_process_group(
+        "tdist-tcp",
+        init_method=f"tcp://127.0.0.1:{cfg['ports']['tdist']}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=float(cfg["timeout"])),
+    )
     groups = {"tdist-tcp": torch_dist.group.WORLD, "gloo": torch_dist.new_group(backend="gloo"), "local": None}
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(cfg["batch"], WIDTH, generator=gen)
@@ -122,8 +132,19 @@ def run(cfg: dict, rank: int, world: int, under_mpi: bool = False) -> list[dict]
             samples[name].append(_slowest(torch_dist, gloo, time.perf_counter() - start) / cfg["steps"])
     params = sum(p.numel() for p in replicas["gloo"][1].parameters())
     torch_dist.destroy_process_group()
-    return [{"world": world, "backend": name, "step_s": statistics.median(s), "samples_s": s, "params": params,
-             "batch": cfg["batch"], "steps": cfg["steps"], "repeats": cfg["repeats"]} for name, s in samples.items()]
+    return [
+        {
+            "world": world,
+            "backend": name,
+            "step_s": statistics.median(s),
+            "samples_s": s,
+            "params": params,
+            "batch": cfg["batch"],
+            "steps": cfg["steps"],
+            "repeats": cfg["repeats"],
+        }
+        for name, s in samples.items()
+    ]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -64,10 +64,16 @@ def core_overhead(backend: str = "tcp", iters: int = 20000, repeats: int = 7) ->
         us = {name: statistics.median(values) * 1e6 for name, values in samples.items()}
         cpu_us = {name: statistics.median(values) * 1e6 for name, values in cpu_samples.items()}
         return {
-            "backend": backend, "iters": iters, "repeats": repeats,
-            "api_us": us["api"], "backend_us": us["backend"], "torch_us": us["torch"],
-            "core_us": us["api"] - us["backend"], "bridge_us": us["torch"] - us["api"],
-            "core_cpu_us": cpu_us["api"] - cpu_us["backend"], "bridge_cpu_us": cpu_us["torch"] - cpu_us["api"],
+            "backend": backend,
+            "iters": iters,
+            "repeats": repeats,
+            "api_us": us["api"],
+            "backend_us": us["backend"],
+            "torch_us": us["torch"],
+            "core_us": us["api"] - us["backend"],
+            "bridge_us": us["torch"] - us["api"],
+            "core_cpu_us": cpu_us["api"] - cpu_us["backend"],
+            "bridge_cpu_us": cpu_us["torch"] - cpu_us["api"],
             **{f"{name}_cpu_us": value for name, value in cpu_us.items()},
             **{f"{name}_samples_us": [x * 1e6 for x in values] for name, values in samples.items()},
         }

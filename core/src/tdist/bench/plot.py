@@ -18,16 +18,21 @@ def plot(path: str, results: Sequence[dict], backends: Sequence[str]) -> None:
 
     from .report import format_size
 
-    ops = [op for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
-           if any(r["op"] == op for r in results)]
+    ops = [
+        op
+        for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+        if any(r["op"] == op for r in results)
+    ]
     worlds = sorted({r["world"] for r in results})
     fig, axes = plt.subplots(len(worlds), len(ops), figsize=(4.2 * len(ops), 3.4 * len(worlds)), squeeze=False)
     for i, world in enumerate(worlds):
         for j, op in enumerate(ops):
             ax = axes[i][j]
             for b in backends:
-                rows = sorted((r for r in results if r["world"] == world and r["op"] == op and r["backend"] == b),
-                              key=lambda r: r["bytes"])
+                rows = sorted(
+                    (r for r in results if r["world"] == world and r["op"] == op and r["backend"] == b),
+                    key=lambda r: r["bytes"],
+                )
                 if rows:
                     ax.plot([r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows], marker="o", ms=3, label=b)
             ax.set_xscale("log", base=2)
@@ -37,7 +42,7 @@ def plot(path: str, results: Sequence[dict], backends: Sequence[str]) -> None:
             if j == 0:
                 ax.set_ylabel("bus bandwidth (GB/s)")
             sizes = sorted({r["bytes"] for r in results if r["op"] == op})
-            ticks = sizes[::max(1, len(sizes) // 6)]
+            ticks = sizes[:: max(1, len(sizes) // 6)]
             ax.set_xticks(ticks)
             ax.set_xticklabels([format_size(s).replace(" ", "") for s in ticks], fontsize=7)
             ax.grid(True, which="both", alpha=0.3)

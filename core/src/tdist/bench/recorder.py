@@ -76,11 +76,16 @@ def recorder_overhead(iters: int = 20000, repeats: int = 7) -> dict[str, Any]:
         shutil.rmtree(dump_dir, ignore_errors=True)
     us = {state: statistics.median(values) * 1e6 for state, values in wall.items()}
     cpu_us = {state: statistics.median(values) * 1e6 for state, values in cpu.items()}
-    return {"iters": iters, "repeats": repeats, **{f"{s}_us": v for s, v in us.items()},
-            **{f"{s}_cpu_us": v for s, v in cpu_us.items()},
-            "recorder_cost_us": us["recorder"] - us["off"], "recorder_own_us": us["recorder"] - us["null"],
-            "recorder_cost_cpu_us": cpu_us["recorder"] - cpu_us["off"],
-            "recorder_own_cpu_us": cpu_us["recorder"] - cpu_us["null"]}
+    return {
+        "iters": iters,
+        "repeats": repeats,
+        **{f"{s}_us": v for s, v in us.items()},
+        **{f"{s}_cpu_us": v for s, v in cpu_us.items()},
+        "recorder_cost_us": us["recorder"] - us["off"],
+        "recorder_own_us": us["recorder"] - us["null"],
+        "recorder_cost_cpu_us": cpu_us["recorder"] - cpu_us["off"],
+        "recorder_own_cpu_us": cpu_us["recorder"] - cpu_us["null"],
+    }
 
 
 def format_recorder_overhead(r: dict[str, Any]) -> str:

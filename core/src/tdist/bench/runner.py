@@ -39,8 +39,14 @@ def _mpirun_command(mpirun: str, world: int) -> list[str]:
     return cmd
 
 
-def run_world(world: int, cfg: dict[str, Any], use_mpi: bool, timeout: float, verbose: bool = False,
-              worker_module: str = "tdist.bench.workers") -> list[dict]:
+def run_world(
+    world: int,
+    cfg: dict[str, Any],
+    use_mpi: bool,
+    timeout: float,
+    verbose: bool = False,
+    worker_module: str = "tdist.bench.workers",
+) -> list[dict]:
     """Run the workers (``python -m worker_module CONFIG``) of one world size; their
     results (rank 0's file)."""
     tmp = tempfile.mkdtemp(prefix="tdist-bench-")

@@ -129,12 +129,16 @@ def format_store_bench(r: Dict[str, Any]) -> str:
         (f"{r['keys']} x get", t["gets_s"] * 1e6, o["gets_s"] * 1e6, "us"),
         (f"{r['clients']} clients x {r['ops']} add (wall)", t["adds_wall_s"], o["adds_wall_s"], "s"),
     ]
-    lines = [f"TCPStore: tdist against torch (libuv server), clients in separate processes, "
-             f"median of {r['repeats']} alternating rounds:",
-             f"  {'operation':40s} {'tdist':>12s} {'torch':>12s} {'tdist/torch':>12s}"]
+    lines = [
+        f"TCPStore: tdist against torch (libuv server), clients in separate processes, "
+        f"median of {r['repeats']} alternating rounds:",
+        f"  {'operation':40s} {'tdist':>12s} {'torch':>12s} {'tdist/torch':>12s}",
+    ]
     for name, a, b, unit in rows:
         lines.append(f"  {name:40s} {a:10.3f} {unit:<1s} {b:10.3f} {unit:<1s} {a / b:11.2f}x")
-    lines.append(f"  {'multi_get speed-up over single gets':40s} {t['gets_s'] / t['multi_get_s']:11.1f}x "
-                 f"{o['gets_s'] / o['multi_get_s']:11.1f}x")
+    lines.append(
+        f"  {'multi_get speed-up over single gets':40s} {t['gets_s'] / t['multi_get_s']:11.1f}x "
+        f"{o['gets_s'] / o['multi_get_s']:11.1f}x"
+    )
     lines.append(f"  {'add throughput (ops/s)':40s} {t['adds_per_s']:12.0f} {o['adds_per_s']:12.0f}")
     return "\n".join(lines)

@@ -39,7 +39,13 @@ def configure_tls_bench(args: argparse.Namespace) -> str:
         args.world_sizes = "2"
     args.backends = f"tcp,{TLS_BACKEND}"
     args.reference = "tcp"
-    args.option = list(args.option) + _SOCKETS_ONLY + [
-        f"{TLS_BACKEND}:tls_cert={pki / 'node.pem'}", f"{TLS_BACKEND}:tls_key={pki / 'node.key'}",
-        f"{TLS_BACKEND}:tls_ca={pki / 'ca.pem'}"]
+    args.option = (
+        list(args.option)
+        + _SOCKETS_ONLY
+        + [
+            f"{TLS_BACKEND}:tls_cert={pki / 'node.pem'}",
+            f"{TLS_BACKEND}:tls_key={pki / 'node.key'}",
+            f"{TLS_BACKEND}:tls_ca={pki / 'ca.pem'}",
+        ]
+    )
     return directory

@@ -35,8 +35,11 @@ def _env_rank() -> tuple[int, int, bool]:
     """(rank, world size, started by mpirun)."""
     if "TDIST_BENCH_RANK" in os.environ:  # started by the runner itself (wins over an outer mpirun's variables)
         return int(os.environ["TDIST_BENCH_RANK"]), int(os.environ["TDIST_BENCH_WORLD"]), False
-    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
-                               ("PMIX_RANK", "PMIX_SIZE")):
+    for rank_var, size_var in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMI_RANK", "PMI_SIZE"),
+        ("PMIX_RANK", "PMIX_SIZE"),
+    ):
         if rank_var in os.environ and size_var in os.environ:
             return int(os.environ[rank_var]), int(os.environ[size_var]), True
     raise RuntimeError("tdist.bench.workers: no rank given (start it through python -m tdist.bench)")
@@ -146,7 +149,7 @@ class _TorchLike(Adapter):
                 t.copy_(torch.arange(p, dtype=torch.float32).repeat_interleave(n // p) + 100 * r)
                 d.all_to_all_single(out, t, group=g)
                 want = torch.tensor([100.0 * k + r for k in range(p)]).repeat_interleave(n // p)
-                return None if torch.equal(out, want) else f"all_to_all: got {out[::n // p].tolist()}"
+                return None if torch.equal(out, want) else f"all_to_all: got {out[:: n // p].tolist()}"
 
             return (lambda: d.all_to_all_single(out, t, group=g)), check
         raise ValueError(f"unknown operation {op!r}")
@@ -167,8 +170,13 @@ class TorchGlooAdapter(_TorchLike):
     def __init__(self, rank: int, world: int, port: int, timeout: float) -> None:
         import torch.distributed as td
 
-        td.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                              timeout=timedelta(seconds=timeout))
+        td.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout),
+        )
         super().__init__(td, None, rank, world)
 
     def close(self) -> None:
@@ -269,14 +277,20 @@ def make_adapters(cfg: dict, rank: int, world: int, under_mpi: bool) -> tuple[li
         else:  # "tcp", "tdist-gloo", "tdist-mpi", ... : a tdist backend
             import tdist
 
-            backend = name[len("tdist-"):] if name.startswith("tdist-") else name
+            backend = name[len("tdist-") :] if name.startswith("tdist-") else name
             backend = backend.partition("+")[0]  # "tcp+tls": a variant of "tcp" with other options
             options = cfg.get("options", {}).get(name) or None
             if tdist_default is None:
                 init = "mpi://" if backend == "mpi" else f"tcp://127.0.0.1:{cfg['ports']['tdist']}"
-                tdist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                                         timeout=timedelta(seconds=timeout), pg_options=options,
-                                         torch_bridge=False)  # torch's default group is the gloo reference
+                tdist.init_process_group(
+                    backend,
+                    init_method=init,
+                    rank=rank,
+                    world_size=world,
+                    timeout=timedelta(seconds=timeout),
+                    pg_options=options,
+                    torch_bridge=False,
+                )  # torch's default group is the gloo reference
                 tdist_default = backend
                 group = None
             else:
@@ -335,8 +349,17 @@ def run(cfg: dict, rank: int, world: int, under_mpi: bool) -> list[dict]:
                 for ad, fn, iters, samples in prepared:
                     samples.append(_sample(td, ad, fn, iters))
             for ad, _fn, iters, samples in prepared:
-                results.append({"world": world, "op": op, "bytes": nbytes, "backend": ad.name,
-                                "time_s": statistics.median(samples), "samples_s": samples, "iters": iters})
+                results.append(
+                    {
+                        "world": world,
+                        "op": op,
+                        "bytes": nbytes,
+                        "backend": ad.name,
+                        "time_s": statistics.median(samples),
+                        "samples_s": samples,
+                        "iters": iters,
+                    }
+                )
             if progress:
                 line = "  ".join(f"{ad.name} {statistics.median(s) * 1e6:.1f}us" for ad, _f, _i, s in prepared)
                 print(f"[bench] world {world} {op} {nbytes} B: {line}", file=sys.stderr, flush=True)

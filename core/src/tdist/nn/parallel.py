@@ -238,7 +238,9 @@ class DistributedDataParallel(nn.Module):
         self._named_buffers = [(name, b) for name, b in module.named_buffers() if name not in ignored]
         for name, p in self._named_params:
             if p.is_sparse:
-                raise ValueError(f"DistributedDataParallel: parameter {name!r} is sparse; sparse parameters are not supported")
+                raise ValueError(
+                    f"DistributedDataParallel: parameter {name!r} is sparse; sparse parameters are not supported"
+                )
 
         if init_sync and self._world_size > 1:
             self._broadcast_coalesced([p.detach() for name, p in module.named_parameters() if name not in ignored])
@@ -247,7 +249,9 @@ class DistributedDataParallel(nn.Module):
         first_cap = min(_FIRST_BUCKET_BYTES, self.bucket_bytes_cap)
         assignment = _compute_buckets(self._params, self.bucket_bytes_cap, first_cap)
         self._buckets = [
-            _Bucket(k, idx, [self._params[i].numel() for i in idx], self._params[idx[0]].dtype, self._params[idx[0]].device)
+            _Bucket(
+                k, idx, [self._params[i].numel() for i in idx], self._params[idx[0]].dtype, self._params[idx[0]].device
+            )
             for k, idx in enumerate(assignment)
         ]
         self._locate: list[tuple[_Bucket, int]] = [None] * len(self._params)  # type: ignore[list-item]
@@ -512,9 +516,7 @@ class DistributedDataParallel(nn.Module):
         """End of backward: complete every bucket, then write the averaged gradients back."""
         with self._lock:
             self._in_backward = False
-            missing = [
-                i for bucket in self._buckets for slot, i in enumerate(bucket.params) if not bucket.ready[slot]
-            ]
+            missing = [i for bucket in self._buckets for slot, i in enumerate(bucket.params) if not bucket.ready[slot]]
             # Complete the buckets with zeros for what never arrived, so that every
             # rank issues the same all-reduces and none is left waiting.
             for i in missing:
@@ -552,7 +554,9 @@ class DistributedDataParallel(nn.Module):
                 dist.all_reduce(flags, group=self.process_group)
                 used_somewhere = flags.tolist()
             elif self.find_unused_parameters:
-                used_somewhere = [1 if i in self._used or i in self._accumulated else 0 for i in range(len(self._params))]
+                used_somewhere = [
+                    1 if i in self._used or i in self._accumulated else 0 for i in range(len(self._params))
+                ]
             self._accumulated = set()
             for bucket in self._buckets:
                 for slot, i in enumerate(bucket.params):

@@ -39,16 +39,45 @@ from .world import (
 
 __all__ = [
     # worlds
-    "World", "RankFailure", "WorldError", "WorldRunError", "WorldTimeoutError", "WorldStartError",
-    "LAUNCHERS", "free_port", "find_mpirun",
+    "World",
+    "RankFailure",
+    "WorldError",
+    "WorldRunError",
+    "WorldTimeoutError",
+    "WorldStartError",
+    "LAUNCHERS",
+    "free_port",
+    "find_mpirun",
     # the module under test
-    "dist", "dist_module", "dist_module_name", "is_tdist", "DIST_MODULE_ENV",
+    "dist",
+    "dist_module",
+    "dist_module_name",
+    "is_tdist",
+    "DIST_MODULE_ENV",
     # bodies and scenarios
-    "body", "bodies", "Body", "scenario", "scenarios", "Scenario", "ScenarioContext",
+    "body",
+    "bodies",
+    "Body",
+    "scenario",
+    "scenarios",
+    "Scenario",
+    "ScenarioContext",
     # pytest collection
-    "collect", "collect_conformance", "collect_tutorial", "collect_failures", "run_body", "run_scenario",
+    "collect",
+    "collect_conformance",
+    "collect_tutorial",
+    "collect_failures",
+    "run_body",
+    "run_scenario",
     # capabilities
-    "Capabilities", "capabilities", "supports",
+    "Capabilities",
+    "capabilities",
+    "supports",
     # helpers for bodies
-    "Sub", "assert_tensor", "assert_true", "check_world_works", "raises", "value",
+    "Sub",
+    "assert_tensor",
+    "assert_true",
+    "check_world_works",
+    "raises",
+    "value",
 ]

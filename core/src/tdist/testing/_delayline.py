@@ -104,8 +104,8 @@ class DelayLine:
 
     def forward(self, port: int, frame: bytes) -> None:
         """Send ``frame`` (vnet header + Ethernet frame) from ``port`` on to its destination."""
-        dst = frame[_VNET_HDR_LEN:_VNET_HDR_LEN + 6]
-        src = frame[_VNET_HDR_LEN + 6:_VNET_HDR_LEN + 12]
+        dst = frame[_VNET_HDR_LEN : _VNET_HDR_LEN + 6]
+        src = frame[_VNET_HDR_LEN + 6 : _VNET_HDR_LEN + 12]
         if not src[0] & 1:
             self.macs[src] = port
         if dst[0] & 1 and not self.multicast and dst != _BROADCAST:

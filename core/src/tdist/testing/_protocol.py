@@ -26,8 +26,15 @@ import struct
 import time
 from typing import Any
 
-__all__ = ["send_msg", "recv_msg", "ChannelClosed", "AuthenticationFailed", "accept_worker", "join_controller",
-           "HANDSHAKE_TIMEOUT"]
+__all__ = [
+    "send_msg",
+    "recv_msg",
+    "ChannelClosed",
+    "AuthenticationFailed",
+    "accept_worker",
+    "join_controller",
+    "HANDSHAKE_TIMEOUT",
+]
 
 _HEADER = struct.Struct(">Q")
 _MAX_FRAME = 256 * 1024 * 1024
@@ -89,7 +96,7 @@ def accept_worker(sock: socket.socket, token: bytes, timeout: float = HANDSHAKE_
     hello = _recv_exact(sock, len(MAGIC) + _NONCE, deadline)
     if not hmac.compare_digest(hello[: len(MAGIC)], MAGIC):
         raise AuthenticationFailed("not a tdist.testing worker (bad magic)")
-    worker_nonce, my_nonce = hello[len(MAGIC):], os.urandom(_NONCE)
+    worker_nonce, my_nonce = hello[len(MAGIC) :], os.urandom(_NONCE)
     sock.sendall(my_nonce + _proof(token, b"controller", worker_nonce, my_nonce))
     answer = _recv_exact(sock, _DIGEST, deadline)
     if not hmac.compare_digest(answer, _proof(token, b"worker", my_nonce, worker_nonce)):

@@ -104,14 +104,23 @@ class HostCommandError(ClusterError):
     """A command run with :meth:`Host.run` failed (``check=True``) or ran past its
     timeout (``timeout`` set). ``returncode``, ``stdout``, ``stderr`` as captured."""
 
-    def __init__(self, host: "Host", args: Sequence[str], returncode: Optional[int], stdout: str, stderr: str,
-                 timeout: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        host: "Host",
+        args: Sequence[str],
+        returncode: Optional[int],
+        stdout: str,
+        stderr: str,
+        timeout: Optional[float] = None,
+    ) -> None:
         self.host, self.cmd, self.returncode = host, list(args), returncode
         self.stdout, self.stderr, self.timeout = stdout, stderr, timeout
         what = f"timed out after {timeout:g} s" if timeout is not None else f"exited with {returncode}"
         tail = (stderr or "")[-2000:]
-        super().__init__(f"on {host.hostname} ({host.address}): {shlex.join(map(str, args))} {what}"
-                         + (f"; stderr ends with:\n{tail}" if tail.strip() else ""))
+        super().__init__(
+            f"on {host.hostname} ({host.address}): {shlex.join(map(str, args))} {what}"
+            + (f"; stderr ends with:\n{tail}" if tail.strip() else "")
+        )
 
 
 # ------------------------------------------------------------------ this machine
@@ -122,7 +131,7 @@ def _start_time(pid: int) -> Optional[int]:
             stat = f.read()
     except OSError:
         return None
-    return int(stat[stat.rfind(b")") + 2:].split()[19])
+    return int(stat[stat.rfind(b")") + 2 :].split()[19])
 
 
 def _owner_tag() -> str:
@@ -183,9 +192,25 @@ def _probe_namespaces() -> Optional[str]:
         return f"cannot create a network namespace: {made.stderr.strip()}"
     try:
         host = subprocess.run(
-            ["ip", "netns", "exec", probe, "unshare", "--mount", "--uts", "--ipc", "--propagation", "slave",
-             "sh", "-c", "mount -t tmpfs -o size=1m tdist-probe /dev/shm && hostname tdist-probe"],
-            capture_output=True, text=True, timeout=SETUP_TIMEOUT)
+            [
+                "ip",
+                "netns",
+                "exec",
+                probe,
+                "unshare",
+                "--mount",
+                "--uts",
+                "--ipc",
+                "--propagation",
+                "slave",
+                "sh",
+                "-c",
+                "mount -t tmpfs -o size=1m tdist-probe /dev/shm && hostname tdist-probe",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=SETUP_TIMEOUT,
+        )
         if host.returncode != 0:
             return f"cannot make a host's mount, UTS and IPC namespaces: {host.stderr.strip()}"
         return None
@@ -216,8 +241,10 @@ def _setup(cmd: Sequence[str], stdin: Optional[str] = None) -> None:
     done = subprocess.run(list(cmd), input=stdin, capture_output=True, text=True, timeout=SETUP_TIMEOUT)
     if done.returncode != 0:
         detail = (done.stderr or done.stdout).strip()
-        raise ClusterError(f"cluster setup: {shlex.join(cmd)} failed ({done.returncode}): {detail}"
-                           + (f"\ninput:\n{stdin}" if stdin else ""))
+        raise ClusterError(
+            f"cluster setup: {shlex.join(cmd)} failed ({done.returncode}): {detail}"
+            + (f"\ninput:\n{stdin}" if stdin else "")
+        )
 
 
 def _delete_netns(names: Sequence[str]) -> None:
@@ -278,12 +305,30 @@ def _tc_rate(netns: str, dev: str, rate: Optional[float]) -> None:
     """A ``tbf`` qdisc limiting ``dev`` to ``rate`` bits/s (None: remove the limit).
     Burst: 1 ms at that rate, at least 64 KiB (one segmentation-offload frame)."""
     if rate is None:
-        subprocess.run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], capture_output=True,
-                       timeout=SETUP_TIMEOUT)
+        subprocess.run(
+            ["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=SETUP_TIMEOUT
+        )
         return
     burst = max(int(rate / 8 / 1000), 64 << 10)
-    _setup(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(rate)}bit",
-            "burst", str(burst), "latency", "50ms"])
+    _setup(
+        [
+            "tc",
+            "-n",
+            netns,
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{int(rate)}bit",
+            "burst",
+            str(burst),
+            "latency",
+            "50ms",
+        ]
+    )
 
 
 class _Keep:
@@ -341,7 +386,7 @@ class Host:
         self.netns = f"{cluster.name}-h{index}"
         self.address = f"10.77.0.{index + 1}"
         self.address6 = f"fd77::{index + 1:x}"
-        self.mac = f"02:77:00:00:{(index + 1) >> 8:02x}:{(index + 1) & 0xff:02x}"
+        self.mac = f"02:77:00:00:{(index + 1) >> 8:02x}:{(index + 1) & 0xFF:02x}"
         self.ifname = IFNAME
         self.rate: Optional[float] = None
         self.delay = 0.0
@@ -366,11 +411,20 @@ class Host:
         the caller's working directory)."""
         if not self.init_pid:
             raise ClusterError(f"{self.hostname} is not running (start the cluster first)")
-        return ["nsenter", f"--target={self.init_pid}", "--net", "--mount", "--uts", "--ipc",
-                f"--wd={cwd or os.getcwd()}", "--"]
+        return [
+            "nsenter",
+            f"--target={self.init_pid}",
+            "--net",
+            "--mount",
+            "--uts",
+            "--ipc",
+            f"--wd={cwd or os.getcwd()}",
+            "--",
+        ]
 
-    def popen(self, args: Sequence[str], *, timeout: Optional[float] = None, cwd: Optional[str] = None,
-              **kwargs: Any) -> HostProcess:
+    def popen(
+        self, args: Sequence[str], *, timeout: Optional[float] = None, cwd: Optional[str] = None, **kwargs: Any
+    ) -> HostProcess:
         """Start ``args`` on this host, as :class:`subprocess.Popen` would (``env``,
         ``stdout``, ... as there; the environment is the caller's unless ``env`` is
         given). ``timeout``: seconds after which its process group is killed. It is
@@ -387,14 +441,29 @@ class Host:
             proc._timer.start()
         return proc
 
-    def run(self, args: Sequence[str], *, timeout: float = 60.0, check: bool = False, input: Optional[str] = None,
-            env: Optional[dict[str, str]] = None, cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        args: Sequence[str],
+        *,
+        timeout: float = 60.0,
+        check: bool = False,
+        input: Optional[str] = None,
+        env: Optional[dict[str, str]] = None,
+        cwd: Optional[str] = None,
+    ) -> subprocess.CompletedProcess:
         """Run ``args`` on this host to completion, capturing its output as text.
         Past ``timeout`` seconds its process group is killed (every process on the host,
         if something outside the group still holds its output pipes) and
         :class:`HostCommandError` raised; so too with ``check`` and a non-zero exit."""
-        proc = self.popen(args, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+        proc = self.popen(
+            args,
+            stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=cwd,
+        )
         try:
             out, err = proc.communicate(input, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -433,8 +502,9 @@ class Host:
                     return int(fields[0]), int(fields[8])
         raise ClusterError(f"{self.hostname}: no {self.ifname} in /proc/net/dev")
 
-    def set_link(self, *, rate: Union[None, str, int, float, _Keep] = KEEP,
-                 delay: Union[None, float, _Keep] = KEEP) -> None:
+    def set_link(
+        self, *, rate: Union[None, str, int, float, _Keep] = KEEP, delay: Union[None, float, _Keep] = KEEP
+    ) -> None:
         """Shape this host's link: ``rate`` in bits per second (or ``"1gbit"``; None:
         unlimited), both directions; ``delay``: seconds added to every frame the host
         sends (needs a cluster with a delay line). Left out (:data:`KEEP`): unchanged."""
@@ -462,9 +532,25 @@ class Host:
             f" && exec {shlex.join(_python_script('_hostinit.py'))}"
         )
         self._init = subprocess.Popen(
-            ["ip", "netns", "exec", self.netns, "unshare", "--mount", "--uts", "--ipc", "--propagation", "slave",
-             "sh", "-c", script],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.netns,
+                "unshare",
+                "--mount",
+                "--uts",
+                "--ipc",
+                "--propagation",
+                "slave",
+                "sh",
+                "-c",
+                script,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            start_new_session=True,
         )
 
     def _wait_ready(self, deadline: float) -> None:
@@ -473,8 +559,9 @@ class Host:
         line = _read_line(init.stdout, deadline)
         init.stdout.close()
         if line.strip() != b"ready":
-            raise ClusterError(f"{self.hostname} did not come up (exit status {init.poll()}); "
-                               f"see {self.cluster.workdir}/hosts.log")
+            raise ClusterError(
+                f"{self.hostname} did not come up (exit status {init.poll()}); see {self.cluster.workdir}/hosts.log"
+            )
 
     def _stop(self) -> None:
         """Close the pipe to the host's first process: it kills everything on the host and exits."""
@@ -515,8 +602,16 @@ class Cluster:
     (see :func:`unavailable_reason`).
     """
 
-    def __init__(self, hosts: int = 2, *, rate: Union[None, str, int, float] = None, delay: float = 0.0,
-                 delay_line: Optional[bool] = None, multicast: bool = True, shm_size: str = "1g") -> None:
+    def __init__(
+        self,
+        hosts: int = 2,
+        *,
+        rate: Union[None, str, int, float] = None,
+        delay: float = 0.0,
+        delay_line: Optional[bool] = None,
+        multicast: bool = True,
+        shm_size: str = "1g",
+    ) -> None:
         if not 1 <= hosts <= 250:
             raise ValueError(f"Cluster: hosts must be 1..250, got {hosts}")
         if delay < 0:
@@ -574,8 +669,13 @@ class Cluster:
         """``mpirun`` options that place ``slots`` ranks on each of ``hosts`` (default: all),
         reached through :attr:`ssh_agent`. Run that ``mpirun`` on one of the hosts."""
         chosen = self.hosts if hosts is None else list(hosts)
-        return ["--host", ",".join(f"{h.hostname}:{slots}" for h in chosen),
-                "--prtemca", "plm_ssh_agent", self.ssh_agent]
+        return [
+            "--host",
+            ",".join(f"{h.hostname}:{slots}" for h in chosen),
+            "--prtemca",
+            "plm_ssh_agent",
+            self.ssh_agent,
+        ]
 
     # ------------------------------------------------------------------- life
     def __enter__(self) -> "Cluster":
@@ -636,17 +736,37 @@ class Cluster:
         # Before the links exist, so that they inherit it: no duplicate address detection
         # (addresses usable at once); the switch itself takes no part in IPv6.
         for host in self.hosts:
-            _setup(["ip", "netns", "exec", host.netns, "sh", "-c",
+            _setup(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    host.netns,
+                    "sh",
+                    "-c",
                     "echo 0 > /proc/sys/net/ipv6/conf/all/accept_dad && "
-                    "echo 0 > /proc/sys/net/ipv6/conf/default/accept_dad"])
-        _setup(["ip", "netns", "exec", self.switch_netns, "sh", "-c",
+                    "echo 0 > /proc/sys/net/ipv6/conf/default/accept_dad",
+                ]
+            )
+        _setup(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.switch_netns,
+                "sh",
+                "-c",
                 "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 && "
-                "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6"])
-        switch = [] if self.uses_delay_line else ["link add br0 type bridge mcast_snooping 0 stp_state 0",
-                                                   "link set br0 up"]
+                "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6",
+            ]
+        )
+        switch = (
+            [] if self.uses_delay_line else ["link add br0 type bridge mcast_snooping 0 stp_state 0", "link set br0 up"]
+        )
         for host in self.hosts:
-            switch.append(f"link add {host.switch_port} type veth peer name {IFNAME} address {host.mac} "
-                          f"netns {host.netns}")
+            switch.append(
+                f"link add {host.switch_port} type veth peer name {IFNAME} address {host.mac} netns {host.netns}"
+            )
             if not self.uses_delay_line:
                 switch.append(f"link set {host.switch_port} master br0")
                 if not self.multicast:
@@ -656,23 +776,42 @@ class Cluster:
         for host in self.hosts:
             # Static neighbours: IPv6 unicast works even on a switch that drops multicast
             # (neighbour discovery is multicast).
-            neighbours = [f"neigh replace {address} lladdr {other.mac} dev {IFNAME} nud permanent"
-                          for other in self.hosts if other is not host for address in (other.address, other.address6)]
-            _setup(["ip", "-n", host.netns, "-batch", "-"], "\n".join([
-                "link set lo up",
-                f"addr add {host.address}/24 dev {IFNAME}",
-                f"addr add {host.address6}/64 dev {IFNAME} nodad",
-                f"link set {IFNAME} multicast on up",
-                f"route add 224.0.0.0/4 dev {IFNAME}",
-                *neighbours,
-            ]) + "\n")
+            neighbours = [
+                f"neigh replace {address} lladdr {other.mac} dev {IFNAME} nud permanent"
+                for other in self.hosts
+                if other is not host
+                for address in (other.address, other.address6)
+            ]
+            _setup(
+                ["ip", "-n", host.netns, "-batch", "-"],
+                "\n".join(
+                    [
+                        "link set lo up",
+                        f"addr add {host.address}/24 dev {IFNAME}",
+                        f"addr add {host.address6}/64 dev {IFNAME} nodad",
+                        f"link set {IFNAME} multicast on up",
+                        f"route add 224.0.0.0/4 dev {IFNAME}",
+                        *neighbours,
+                    ]
+                )
+                + "\n",
+            )
 
     def _start_delay_line(self) -> None:
         with open(os.path.join(self.workdir, "delayline.log"), "ab") as log:
             self._delayline = subprocess.Popen(
-                ["ip", "netns", "exec", self.switch_netns, *_python_script("_delayline.py"),
-                 *[h.switch_port for h in self.hosts]],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.switch_netns,
+                    *_python_script("_delayline.py"),
+                    *[h.switch_port for h in self.hosts],
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
             )
         assert self._delayline.stdout is not None
         ready = _read_line(self._delayline.stdout, time.monotonic() + SETUP_TIMEOUT)
@@ -686,15 +825,18 @@ class Cluster:
             self._delay_line_command(f"multicast {int(bool(enabled))}")
         else:
             flag = "on" if enabled else "off"
-            _setup(["ip", "-n", self.switch_netns, "-batch", "-"], "".join(
-                f"link set dev {h.switch_port} type bridge_slave mcast_flood {flag}\n" for h in self.hosts))
+            _setup(
+                ["ip", "-n", self.switch_netns, "-batch", "-"],
+                "".join(f"link set dev {h.switch_port} type bridge_slave mcast_flood {flag}\n" for h in self.hosts),
+            )
         self.multicast = bool(enabled)
 
     def _set_delay(self, host: Host, delay: float) -> None:
         if self._delayline is None:
             if delay > 0:
-                raise ClusterError(f"{host.hostname}: a delay needs a cluster with a delay line "
-                                   "(Cluster(..., delay_line=True))")
+                raise ClusterError(
+                    f"{host.hostname}: a delay needs a cluster with a delay line (Cluster(..., delay_line=True))"
+                )
             return
         self._delay_line_command(f"delay {host.index} {delay!r}")
 

@@ -50,8 +50,12 @@ def all_reduce_coalesced(group: str = "world", async_op: bool = False):
         assert_tensor(tensors[3], expected, "all_reduce_coalesced strided view")
         assert_tensor(base[:, 1::2], value(s.rank, 4, 4, salt=7)[:, 1::2], "the elements between the view's")
     pair = [torch.tensor([float(s.rank)]), torch.tensor([-float(s.rank), 1.0])]
-    _settle(s, dist.all_reduce_coalesced(pair, op=dist.ReduceOp.MAX, async_op=async_op, **s.kw),
-            "all_reduce_coalesced MAX", async_op)
+    _settle(
+        s,
+        dist.all_reduce_coalesced(pair, op=dist.ReduceOp.MAX, async_op=async_op, **s.kw),
+        "all_reduce_coalesced MAX",
+        async_op,
+    )
     if s.is_member:
         assert_tensor(pair[0], torch.tensor([float(max(s.members))]), "all_reduce_coalesced MAX tensor 0")
         assert_tensor(pair[1], torch.tensor([-float(min(s.members)), 1.0]), "all_reduce_coalesced MAX tensor 1")
@@ -86,4 +90,4 @@ def single_tensor_aliases(group: str = "world"):
     out = torch.full((3,), -1.0)
     dist.reduce_scatter_single(out, value(s.rank, s.size * 3), **s.kw)
     if s.is_member:
-        assert_tensor(out, value_sum(s.members, s.size * 3)[s.me * 3:(s.me + 1) * 3], "reduce_scatter_single")
+        assert_tensor(out, value_sum(s.members, s.size * 3)[s.me * 3 : (s.me + 1) * 3], "reduce_scatter_single")

@@ -106,11 +106,16 @@ def bad_tensor_lists():
     if n > 1:
         _expect("all_gather with n-1 outputs", dist.all_gather, [torch.zeros(2) for _ in range(n - 1)], torch.ones(2))
     if supports("reduce_scatter"):
-        _expect("reduce_scatter with n+1 inputs", dist.reduce_scatter, torch.zeros(2),
-                [torch.ones(2) for _ in range(n + 1)])
+        _expect(
+            "reduce_scatter with n+1 inputs", dist.reduce_scatter, torch.zeros(2), [torch.ones(2) for _ in range(n + 1)]
+        )
     if supports("all_to_all") and is_tdist():
-        _expect("all_to_all with n+1 inputs", dist.all_to_all, [torch.zeros(1) for _ in range(n)],
-                [torch.ones(1) for _ in range(n + 1)])
+        _expect(
+            "all_to_all with n+1 inputs",
+            dist.all_to_all,
+            [torch.zeros(1) for _ in range(n)],
+            [torch.ones(1) for _ in range(n + 1)],
+        )
     check_world_works("wrong list lengths")
 
 
@@ -121,17 +126,32 @@ def bad_tensor_sizes():
     from .helpers import supports
 
     n = dist.get_world_size()
-    _expect("all_gather outputs larger than the input", dist.all_gather,
-            [torch.zeros(3) for _ in range(n)], torch.ones(2))
+    _expect(
+        "all_gather outputs larger than the input", dist.all_gather, [torch.zeros(3) for _ in range(n)], torch.ones(2)
+    )
     if supports("all_gather_into_tensor"):
-        _expect("all_gather_into_tensor with a wrong output size", dist.all_gather_into_tensor,
-                torch.zeros(2 * n + 1), torch.ones(2))
+        _expect(
+            "all_gather_into_tensor with a wrong output size",
+            dist.all_gather_into_tensor,
+            torch.zeros(2 * n + 1),
+            torch.ones(2),
+        )
     if supports("reduce_scatter_tensor"):
-        _expect("reduce_scatter_tensor with a wrong input size", dist.reduce_scatter_tensor,
-                torch.zeros(2), torch.ones(2 * n + 1))
+        _expect(
+            "reduce_scatter_tensor with a wrong input size",
+            dist.reduce_scatter_tensor,
+            torch.zeros(2),
+            torch.ones(2 * n + 1),
+        )
     if supports("all_to_all_single"):
-        _expect("all_to_all_single with split sizes not matching the tensors", dist.all_to_all_single,
-                torch.zeros(n), torch.ones(n), [2] * n, [1] * n)
+        _expect(
+            "all_to_all_single with split sizes not matching the tensors",
+            dist.all_to_all_single,
+            torch.zeros(n),
+            torch.ones(n),
+            [2] * n,
+            [1] * n,
+        )
     check_world_works("mismatched sizes")
 
 
@@ -142,16 +162,32 @@ def bad_root_only_arguments():
     torch = _torch()
     r, n = dist.get_rank(), dist.get_world_size()
     if r != 0:
-        _expect("scatter_list on a non-source rank", dist.scatter, torch.zeros(1),
-                [torch.ones(1) for _ in range(n)], src=0)
-        _expect("gather_list on a non-destination rank", dist.gather, torch.zeros(1),
-                [torch.zeros(1) for _ in range(n)], dst=0)
+        _expect(
+            "scatter_list on a non-source rank", dist.scatter, torch.zeros(1), [torch.ones(1) for _ in range(n)], src=0
+        )
+        _expect(
+            "gather_list on a non-destination rank",
+            dist.gather,
+            torch.zeros(1),
+            [torch.zeros(1) for _ in range(n)],
+            dst=0,
+        )
     else:
-        _expect("scatter_list of n+1 tensors on the source", dist.scatter, torch.zeros(1),
-                [torch.ones(1) for _ in range(n + 1)], src=0)
+        _expect(
+            "scatter_list of n+1 tensors on the source",
+            dist.scatter,
+            torch.zeros(1),
+            [torch.ones(1) for _ in range(n + 1)],
+            src=0,
+        )
         if is_tdist():  # torch gloo fails later, from inside the collective
-            _expect("gather_list of n-1 tensors on the destination", dist.gather, torch.zeros(1),
-                    [torch.zeros(1) for _ in range(n - 1)], dst=0)
+            _expect(
+                "gather_list of n-1 tensors on the destination",
+                dist.gather,
+                torch.zeros(1),
+                [torch.zeros(1) for _ in range(n - 1)],
+                dst=0,
+            )
     check_world_works("root-only arguments")
 
 

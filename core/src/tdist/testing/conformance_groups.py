@@ -97,8 +97,10 @@ def new_group_options():
     torch = _torch()
     r, n = dist.get_rank(), dist.get_world_size()
     everyone = dist.new_group()
-    assert_true(list(dist.get_process_group_ranks(everyone)) == list(range(n)),
-                f"new_group() ranks {dist.get_process_group_ranks(everyone)}")
+    assert_true(
+        list(dist.get_process_group_ranks(everyone)) == list(range(n)),
+        f"new_group() ranks {dist.get_process_group_ranks(everyone)}",
+    )
     t = torch.ones(2) * r
     dist.all_reduce(t, group=everyone)
     assert_tensor(t, torch.ones(2) * (n * (n - 1) / 2), "all_reduce on new_group()")

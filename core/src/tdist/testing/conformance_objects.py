@@ -83,8 +83,11 @@ def gather_object(group: str = "world"):
     dist.gather_object(_Tracked(s.rank), out, dst=dst, **s.kw)
     if s.rank == dst:
         assert_equal(out, [("unpickled", m) for m in s.members], "gather_object of tracked objects")
-    assert_equal(sorted(_UNPICKLED), sorted(s.members) if s.rank == dst else [],
-                 f"objects unpickled on rank {s.rank} by gather_object to rank {dst}")
+    assert_equal(
+        sorted(_UNPICKLED),
+        sorted(s.members) if s.rank == dst else [],
+        f"objects unpickled on rank {s.rank} by gather_object to rank {dst}",
+    )
 
 
 @body(params=_GROUPS)

@@ -101,7 +101,7 @@ def _run(collective: str, op: Any, dtype: str, label: str, expect: Any = None) -
         inputs = [rank_input(k, dtype, _LEN * n) for k in range(n)]
         out = torch.zeros(_LEN, dtype=dtype_of(dtype))
         dist.reduce_scatter_tensor(out, inputs[r].clone(), op=op)
-        chunks = [x[r * _LEN:(r + 1) * _LEN] for x in inputs]
+        chunks = [x[r * _LEN : (r + 1) * _LEN] for x in inputs]
         want = expect(chunks)
         assert_tensor(out, want, label, **({} if exact else tol))
         return
@@ -128,8 +128,13 @@ def _dtype_requires(dtype: str, collective: str = "all_reduce") -> list:
 def reduce_ops(dtype: str = "float32", collective: str = "all_reduce"):
     """Every operator valid on ``dtype`` gives the exact reduction; invalid ones raise first."""
     for op in valid_ops(dtype):
-        _run(collective, getattr(dist.ReduceOp, op), dtype, f"{collective} {op} on {dtype}",
-             expect=lambda xs, op=op: expected_reduction(xs, op, dtype))
+        _run(
+            collective,
+            getattr(dist.ReduceOp, op),
+            dtype,
+            f"{collective} {op} on {dtype}",
+            expect=lambda xs, op=op: expected_reduction(xs, op, dtype),
+        )
     problems = []
     for op in invalid_ops(dtype):
         try:
@@ -190,12 +195,21 @@ def reduce_premul_sum(dtype: str = "float32", collective: str = "all_reduce"):
     def expect(xs: list, factor: float) -> Any:
         return (torch.stack([x.to(torch.float64) for x in xs]).sum(0) * factor).to(dtype_of(dtype))
 
-    _run(collective, maker(2.0), dtype, f"{collective} PREMUL_SUM(2.0) on {dtype}",
-         expect=lambda xs: expect(xs, 2.0))
-    _run(collective, dist._make_nccl_premul_sum(0.5), dtype, f"{collective} _make_nccl_premul_sum(0.5) on {dtype}",
-         expect=lambda xs: expect(xs, 0.5))
-    _run(collective, maker(torch.tensor([4.0], dtype=dtype_of(dtype))), dtype,
-         f"{collective} PREMUL_SUM(tensor 4.0) on {dtype}", expect=lambda xs: expect(xs, 4.0))
+    _run(collective, maker(2.0), dtype, f"{collective} PREMUL_SUM(2.0) on {dtype}", expect=lambda xs: expect(xs, 2.0))
+    _run(
+        collective,
+        dist._make_nccl_premul_sum(0.5),
+        dtype,
+        f"{collective} _make_nccl_premul_sum(0.5) on {dtype}",
+        expect=lambda xs: expect(xs, 0.5),
+    )
+    _run(
+        collective,
+        maker(torch.tensor([4.0], dtype=dtype_of(dtype))),
+        dtype,
+        f"{collective} PREMUL_SUM(tensor 4.0) on {dtype}",
+        expect=lambda xs: expect(xs, 4.0),
+    )
     check_world_works(f"PREMUL_SUM on {dtype}")
 
 

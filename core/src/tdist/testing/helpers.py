@@ -136,9 +136,12 @@ def assert_tensor(actual: Any, expected: Any, what: str = "", *, atol: float = 0
     if tuple(actual.shape) != tuple(expected.shape):
         raise AssertionError(f"{where} shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
     if atol or rtol:
-        ok = torch.allclose(actual.to(torch.complex128 if actual.is_complex() else torch.float64),
-                            expected.to(torch.complex128 if expected.is_complex() else torch.float64),
-                            atol=atol, rtol=rtol)
+        ok = torch.allclose(
+            actual.to(torch.complex128 if actual.is_complex() else torch.float64),
+            expected.to(torch.complex128 if expected.is_complex() else torch.float64),
+            atol=atol,
+            rtol=rtol,
+        )
     else:
         ok = torch.equal(actual, expected)
     if not ok:
@@ -240,7 +243,7 @@ def value(rank_: int, *shape: int, dtype: Union[str, Any] = "float32", salt: int
     if dtype in (torch.float16, torch.bfloat16):
         base = torch.arange(numel, dtype=torch.float64) % 17 + (rank_ + 1) * 20 + salt
     if dtype in (torch.int8, torch.uint8):
-        base = (base % 100)
+        base = base % 100
     return base.to(dtype).reshape(shape)
 
 

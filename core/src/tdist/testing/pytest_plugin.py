@@ -50,21 +50,58 @@ __all__ = ["WorldPool", "default_backends"]
 
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("tdist", "tdist conformance kit")
-    group.addoption("--tdist-backend", action="append", dest="tdist_backends", default=None, metavar="NAME",
-                    help="backend to run the conformance suite against (repeatable; default: all available)")
-    group.addoption("--tdist-world-sizes", dest="tdist_world_sizes", default=None, metavar="N,N,...",
-                    help="comma-separated world sizes (default: 1,2,4)")
-    group.addoption("--tdist-launcher", dest="tdist_launcher", default="auto", choices=("auto", "env", "mpi"),
-                    help="how worlds start: one process per rank (env) or one mpirun (mpi); auto: as the backend's BackendSpec.launcher says")
-    group.addoption("--tdist-dist-module", dest="tdist_dist_module", default=None, metavar="MODULE",
-                    help="module under test (default $TDIST_TESTING_DIST_MODULE or tdist; torch.distributed "
-                         "validates the kit)")
-    group.addoption("--tdist-init-method", dest="tdist_init_method", default="env://", metavar="URL",
-                    help="init_method for the pooled worlds (default env://)")
-    group.addoption("--tdist-body-timeout", dest="tdist_body_timeout", type=float, default=60.0, metavar="S",
-                    help="seconds a body may run before its world is killed (default 60)")
-    group.addoption("--tdist-pg-timeout", dest="tdist_pg_timeout", type=float, default=30.0, metavar="S",
-                    help="process-group timeout of the pooled worlds (default 30)")
+    group.addoption(
+        "--tdist-backend",
+        action="append",
+        dest="tdist_backends",
+        default=None,
+        metavar="NAME",
+        help="backend to run the conformance suite against (repeatable; default: all available)",
+    )
+    group.addoption(
+        "--tdist-world-sizes",
+        dest="tdist_world_sizes",
+        default=None,
+        metavar="N,N,...",
+        help="comma-separated world sizes (default: 1,2,4)",
+    )
+    group.addoption(
+        "--tdist-launcher",
+        dest="tdist_launcher",
+        default="auto",
+        choices=("auto", "env", "mpi"),
+        help="how worlds start: one process per rank (env) or one mpirun (mpi); auto: as the backend's BackendSpec.launcher says",
+    )
+    group.addoption(
+        "--tdist-dist-module",
+        dest="tdist_dist_module",
+        default=None,
+        metavar="MODULE",
+        help="module under test (default $TDIST_TESTING_DIST_MODULE or tdist; torch.distributed validates the kit)",
+    )
+    group.addoption(
+        "--tdist-init-method",
+        dest="tdist_init_method",
+        default="env://",
+        metavar="URL",
+        help="init_method for the pooled worlds (default env://)",
+    )
+    group.addoption(
+        "--tdist-body-timeout",
+        dest="tdist_body_timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds a body may run before its world is killed (default 60)",
+    )
+    group.addoption(
+        "--tdist-pg-timeout",
+        dest="tdist_pg_timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="process-group timeout of the pooled worlds (default 30)",
+    )
 
 
 def pytest_configure(config: Any) -> None:
@@ -73,8 +110,11 @@ def pytest_configure(config: Any) -> None:
         os.environ[DIST_MODULE_ENV] = module
     config.addinivalue_line("markers", "tdist_world: the test runs a body in every rank of a tdist World")
     config.addinivalue_line("markers", "slow: multi-process scenarios that take several seconds")
-    config.addinivalue_line("markers", "tdist_cluster(hosts=2, rate=None, delay=0.0, delay_line=None): "
-                            "arguments of the tdist_cluster fixture's Cluster")
+    config.addinivalue_line(
+        "markers",
+        "tdist_cluster(hosts=2, rate=None, delay=0.0, delay_line=None): "
+        "arguments of the tdist_cluster fixture's Cluster",
+    )
     if not config.pluginmanager.hasplugin("timeout"):
         config.addinivalue_line("markers", "timeout(seconds): per-test time limit (needs pytest-timeout)")
     config._tdist_pool = WorldPool(config)
@@ -192,8 +232,7 @@ def pytest_generate_tests(metafunc: Any) -> None:
     pool = _pool(metafunc.config)
     if "tdist_world" in metafunc.fixturenames:
         keys = [(b, n) for b in pool.backends() for n in pool.world_sizes()]
-        metafunc.parametrize("tdist_world", keys, indirect=True, scope="session",
-                             ids=[f"{b}-ws{n}" for b, n in keys])
+        metafunc.parametrize("tdist_world", keys, indirect=True, scope="session", ids=[f"{b}-ws{n}" for b, n in keys])
     if "tdist_scenario" in metafunc.fixturenames:
         names = pool.backends()
         metafunc.parametrize("tdist_scenario", names, indirect=True, scope="session", ids=names)

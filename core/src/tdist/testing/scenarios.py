@@ -257,8 +257,12 @@ def collective_mismatch(ctx: ScenarioContext, kind: str = "op") -> None:
             problems.append(f"rank {r} raised {o['type']} ({o['message']}), expected a DistBackendError")
     if problems:
         report = "; ".join(
-            f"rank {r}: " + (_fmt(o) if isinstance(o, RankFailure) or o["type"] is None
-                             else f"{o['type']} after {o['elapsed']:.1f} s: {o['message'][:200]}")
+            f"rank {r}: "
+            + (
+                _fmt(o)
+                if isinstance(o, RankFailure) or o["type"] is None
+                else f"{o['type']} after {o['elapsed']:.1f} s: {o['message'][:200]}"
+            )
             for r, o in enumerate(outcomes)
         )
         raise AssertionError(f"mismatched collective ({kind}): " + "; ".join(problems) + f"\n  outcomes: {report}")
@@ -448,4 +452,3 @@ def monitored_barrier_names_missing_rank(ctx: ScenarioContext) -> None:
     assert o["type"] is not None, "monitored_barrier passed although a rank never arrived"
     assert o["elapsed"] <= 12.0, f"monitored_barrier raised after {o['elapsed']:.1f} s (timeout 2 s)"
     assert re.search(rf"\b{n - 1}\b", o["message"]), f"error does not name rank {n - 1}: {o['message']}"
-

@@ -27,8 +27,20 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _ca(directory: Path, name: str) -> None:
-    _openssl("req", "-x509", *_KEY, "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2",
-             "-subj", f"/CN=tdist test {name}", cwd=directory)
+    _openssl(
+        "req",
+        "-x509",
+        *_KEY,
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN=tdist test {name}",
+        cwd=directory,
+    )
 
 
 def make_pki(directory: Path) -> Path:
@@ -36,18 +48,36 @@ def make_pki(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     _ca(directory, "ca")
     _ca(directory, "other-ca")
-    (directory / "node.ext").write_text("subjectAltName=IP:127.0.0.1\n"
-                                        "extendedKeyUsage=serverAuth,clientAuth\n")
+    (directory / "node.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
     _openssl("req", *_KEY, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=tdist node", cwd=directory)
-    _openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "node.pem", "-days", "2", "-extfile", "node.ext", cwd=directory)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "node.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "node.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "node.ext",
+        cwd=directory,
+    )
     return directory
 
 
 def tls_env(pki: Path, ca: str = "ca.pem", client_auth: bool = False) -> Dict[str, str]:
     """The ``TDIST_TLS_*`` variables of a process using the node certificate and ``ca``."""
-    env = {"TDIST_TLS_CERT": str(pki / "node.pem"), "TDIST_TLS_KEY": str(pki / "node.key"),
-           "TDIST_TLS_CA": str(pki / ca)}
+    env = {
+        "TDIST_TLS_CERT": str(pki / "node.pem"),
+        "TDIST_TLS_KEY": str(pki / "node.key"),
+        "TDIST_TLS_CA": str(pki / ca),
+    }
     if client_auth:
         env["TDIST_TLS_CLIENT_AUTH"] = "1"
     return env

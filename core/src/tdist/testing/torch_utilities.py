@@ -166,8 +166,11 @@ def groups_both_ways() -> None:
     work = td.all_gather(gathered, torch.full((2,), float(r)), group=ours, async_op=True)
     work.wait()
     assert_true(work.is_completed(), "torch's Work.is_completed() after wait()")
-    assert_tensor(torch.stack(gathered), torch.arange(n, dtype=torch.float32).repeat_interleave(2).view(n, 2),
-                  "torch all_gather with async_op over the module's group")
+    assert_tensor(
+        torch.stack(gathered),
+        torch.arange(n, dtype=torch.float32).repeat_interleave(2).view(n, 2),
+        "torch all_gather with async_op over the module's group",
+    )
     value = torch.full((2,), float(r))
     result = td.all_reduce(value, group=ours, async_op=True).get_future().wait()
     assert_tensor(result[0], torch.full((2,), float(n * (n - 1) / 2)), "torch Work.get_future() value")
@@ -352,8 +355,9 @@ def sync_batch_norm_on_cpu() -> None:
     bn.eval()
     expected = nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.1, bn.eps)
     assert_tensor(bn(x).detach(), expected.detach(), "SyncBatchNorm in eval mode")
-    converted = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3)),
-                                                        process_group=dist.group.WORLD)
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(
+        nn.Sequential(nn.BatchNorm1d(3)), process_group=dist.group.WORLD
+    )
     assert_true(isinstance(converted[0], nn.SyncBatchNorm), "convert_sync_batchnorm made no SyncBatchNorm")
     assert_true(converted[0].process_group is dist.group.WORLD, "convert_sync_batchnorm lost the group")
 
@@ -383,19 +387,29 @@ def checkpoint_resharding() -> None:
     try:
         if r < 2:
             mesh = DeviceMesh.from_group(pair, "cpu")
-            state = {f"rank{r}": torch.arange(5.0) + 100 * (r + 1), "shared": torch.arange(6.0),
-                     "sharded": distribute_tensor(full, mesh, [Shard(0)])}
+            state = {
+                f"rank{r}": torch.arange(5.0) + 100 * (r + 1),
+                "shared": torch.arange(6.0),
+                "sharded": distribute_tensor(full, mesh, [Shard(0)]),
+            }
             dcp.save(state, checkpoint_id=path, process_group=pair)
         dist.barrier()
         if r == 0:
             assert_equal(sorted(os.listdir(path)), [".metadata", "__0_0.distcp", "__1_0.distcp"], "checkpoint files")
         mesh4 = init_device_mesh("cpu", (4,))
-        state = {"rank0": torch.zeros(5), "rank1": torch.zeros(5), "shared": torch.zeros(6),
-                 "sharded": distribute_tensor(torch.zeros(8, 4), mesh4, [Shard(0)])}
+        state = {
+            "rank0": torch.zeros(5),
+            "rank1": torch.zeros(5),
+            "shared": torch.zeros(6),
+            "sharded": distribute_tensor(torch.zeros(8, 4), mesh4, [Shard(0)]),
+        }
         dcp.load(state, checkpoint_id=path)
         assert_tensor(state["sharded"].to_local(), full.chunk(4)[r], "a 4-way shard loaded from a 2-way save")
-        for k, expected in (("rank0", torch.arange(5.0) + 100), ("rank1", torch.arange(5.0) + 200),
-                            ("shared", torch.arange(6.0))):
+        for k, expected in (
+            ("rank0", torch.arange(5.0) + 100),
+            ("rank1", torch.arange(5.0) + 200),
+            ("shared", torch.arange(6.0)),
+        ):
             assert_tensor(state[k], expected, f"{k} loaded by 4 ranks")
         if r == 0:
             state = {"sharded": torch.zeros(8, 4), "rank1": torch.zeros(5)}

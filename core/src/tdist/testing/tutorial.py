@@ -41,6 +41,7 @@ def _capture(fn, *args):
 # --------------------------------------------------------------------------- Point-to-Point
 """Blocking point-to-point communication."""
 
+
 def run_blocking(rank, size):
     tensor = torch.zeros(1)
     if rank == 0:
@@ -50,10 +51,11 @@ def run_blocking(rank, size):
     else:
         # Receive tensor from process 0
         dist.recv(tensor=tensor, src=0)
-    print('Rank ', rank, ' has data ', tensor[0])
+    print("Rank ", rank, " has data ", tensor[0])
 
 
 """Non-blocking point-to-point communication."""
+
 
 def run_nonblocking(rank, size):
     tensor = torch.zeros(1)
@@ -62,13 +64,13 @@ def run_nonblocking(rank, size):
         tensor += 1
         # Send the tensor to process 1
         req = dist.isend(tensor=tensor, dst=1)
-        print('Rank 0 started sending')
+        print("Rank 0 started sending")
     else:
         # Receive tensor from process 0
         req = dist.irecv(tensor=tensor, src=0)
-        print('Rank 1 started receiving')
+        print("Rank 1 started receiving")
     req.wait()
-    print('Rank ', rank, ' has data ', tensor[0])
+    print("Rank ", rank, " has data ", tensor[0])
 
 
 @body(suite="tutorial", min_world_size=2)
@@ -94,12 +96,14 @@ def tutorial_nonblocking_p2p():
 
 # ---------------------------------------------------------------------- Collective Communication
 """ All-Reduce example."""
+
+
 def run_all_reduce(rank, size):
-    """ Simple collective communication. """
+    """Simple collective communication."""
     group = dist.new_group([0, 1])
     tensor = torch.ones(1)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    print('Rank ', rank, ' has data ', tensor[0])
+    print("Rank ", rank, " has data ", tensor[0])
 
 
 @body(suite="tutorial", min_world_size=2)
@@ -113,8 +117,9 @@ def tutorial_all_reduce_group():
 
 # --------------------------------------------------------------------------- Distributed Training
 """ Dataset partitioning helper """
-class Partition(object):
 
+
+class Partition(object):
     def __init__(self, data, index):
         self.data = data
         self.index = index
@@ -128,7 +133,6 @@ class Partition(object):
 
 
 class DataPartitioner(object):
-
     def __init__(self, data, sizes=[0.7, 0.2, 0.1], seed=1234):
         self.data = data
         self.partitions = []
@@ -157,6 +161,8 @@ def synthetic_dataset(n=512, features=20, classes=4, seed=0):
 
 
 """ Partitioning MNIST (here: a synthetic set) """
+
+
 def partition_dataset():
     dataset = synthetic_dataset()
     size = dist.get_world_size()
@@ -164,9 +170,7 @@ def partition_dataset():
     partition_sizes = [1.0 / size for _ in range(size)]
     partition = DataPartitioner(dataset, partition_sizes)
     partition = partition.use(dist.get_rank())
-    train_set = torch.utils.data.DataLoader(partition,
-                                         batch_size=bsz,
-                                         shuffle=True)
+    train_set = torch.utils.data.DataLoader(partition, batch_size=bsz, shuffle=True)
     return train_set, bsz
 
 
@@ -183,6 +187,8 @@ class Net(nn.Module):
 
 
 """ Gradient averaging. """
+
+
 def average_gradients(model):
     size = float(dist.get_world_size())
     for param in model.parameters():
@@ -191,12 +197,13 @@ def average_gradients(model):
 
 
 """ Distributed Synchronous SGD Example """
+
+
 def run_sgd(rank, size, epochs=10):
     torch.manual_seed(1234)
     train_set, bsz = partition_dataset()
     model = Net()
-    optimizer = optim.SGD(model.parameters(),
-                          lr=0.01, momentum=0.5)
+    optimizer = optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
 
     num_batches = ceil(len(train_set.dataset) / float(bsz))
     losses = []
@@ -210,8 +217,7 @@ def run_sgd(rank, size, epochs=10):
             loss.backward()
             average_gradients(model)
             optimizer.step()
-        print('Rank ', dist.get_rank(), ', epoch ',
-              epoch, ': ', epoch_loss / num_batches)
+        print("Rank ", dist.get_rank(), ", epoch ", epoch, ": ", epoch_loss / num_batches)
         losses.append(epoch_loss / num_batches)
     return model, losses
 
@@ -234,29 +240,31 @@ def tutorial_distributed_sgd():
 
 # ----------------------------------------------------------------------------- Ring-Allreduce
 """ Implementation of a ring-reduce with addition. """
+
+
 def allreduce(send, recv):
-   rank = dist.get_rank()
-   size = dist.get_world_size()
-   send_buff = send.clone()
-   recv_buff = send.clone()
-   accum = send.clone()
+    rank = dist.get_rank()
+    size = dist.get_world_size()
+    send_buff = send.clone()
+    recv_buff = send.clone()
+    accum = send.clone()
 
-   left = ((rank - 1) + size) % size
-   right = (rank + 1) % size
+    left = ((rank - 1) + size) % size
+    right = (rank + 1) % size
 
-   for i in range(size - 1):
-       if i % 2 == 0:
-           # Send send_buff
-           send_req = dist.isend(send_buff, right)
-           dist.recv(recv_buff, left)
-           accum[:] += recv_buff[:]
-       else:
-           # Send recv_buff
-           send_req = dist.isend(recv_buff, right)
-           dist.recv(send_buff, left)
-           accum[:] += send_buff[:]
-       send_req.wait()
-   recv[:] = accum[:]
+    for i in range(size - 1):
+        if i % 2 == 0:
+            # Send send_buff
+            send_req = dist.isend(send_buff, right)
+            dist.recv(recv_buff, left)
+            accum[:] += recv_buff[:]
+        else:
+            # Send recv_buff
+            send_req = dist.isend(recv_buff, right)
+            dist.recv(send_buff, left)
+            accum[:] += send_buff[:]
+        send_req.wait()
+    recv[:] = accum[:]
 
 
 @body(suite="tutorial")

@@ -257,10 +257,7 @@ class World:
     # ------------------------------------------------------------------ description
     def __repr__(self) -> str:
         state = "alive" if self._alive else "dead"
-        return (
-            f"<World {self.backend} x{self.world_size} launcher={self.launcher} "
-            f"module={self.dist_module} {state}>"
-        )
+        return f"<World {self.backend} x{self.world_size} launcher={self.launcher} module={self.dist_module} {state}>"
 
     @property
     def alive(self) -> bool:
@@ -612,7 +609,9 @@ class World:
                 time.sleep(0.05)
                 code = self._returncode(rank)
                 results[rank] = RankFailure(
-                    rank, "died", "WorkerDied",
+                    rank,
+                    "died",
+                    "WorkerDied",
                     f"worker process exited or closed its connection ({msg[1]}; exit code {code})",
                     elapsed=time.monotonic() - pending.sent_at,
                 )
@@ -633,8 +632,12 @@ class World:
             self._dump_stacks(missing)
             for r in missing:
                 results[r] = RankFailure(
-                    r, "timeout", "Timeout", f"no answer within {pending.timeout:g} s",
-                    elapsed=pending.timeout, log_tail=self._log_tail(r),
+                    r,
+                    "timeout",
+                    "Timeout",
+                    f"no answer within {pending.timeout:g} s",
+                    elapsed=pending.timeout,
+                    log_tail=self._log_tail(r),
                 )
         for r in died:
             results[r].log_tail = self._log_tail(r)
@@ -694,4 +697,3 @@ class World:
             return ""
         with open(path, "rb") as f:
             return f.read().decode("utf-8", "replace")
-

@@ -115,8 +115,7 @@ class _Round:
         self.sig = sig
         self.headers: Optional[list[dict]] = None
 
-    def publish(self, shared: Optional[bytes] = None, private: Optional[dict[int, bytes]] = None,
-                **extra: Any) -> None:
+    def publish(self, shared: Optional[bytes] = None, private: Optional[dict[int, bytes]] = None, **extra: Any) -> None:
         """Write this rank's data (``shared`` for everyone, ``private[dst]`` for one rank),
         then its header; wait for every rank's header and check they describe one call."""
         b = self.b
@@ -186,7 +185,7 @@ class StoreBackend(Backend):
         keys = []
         for i, start in enumerate(range(0, len(data), CHUNK_BYTES)):
             keys.append(f"{key}#{i}")
-            self.store.set(keys[-1], data[start:start + CHUNK_BYTES])
+            self.store.set(keys[-1], data[start : start + CHUNK_BYTES])
         self.store.set(key, b"#%d" % len(keys))
         return keys + [key]
 
@@ -253,8 +252,9 @@ class StoreBackend(Backend):
             else:
                 work.set_result(outputs)
 
-    def _reduce(self, like: torch.Tensor, mine: torch.Tensor, op: Reduction, fetch: Callable[[int], bytes],
-                what: str) -> torch.Tensor:
+    def _reduce(
+        self, like: torch.Tensor, mine: torch.Tensor, op: Reduction, fetch: Callable[[int], bytes], what: str
+    ) -> torch.Tensor:
         """Combine every rank's contribution in rank order (the same result on every rank)."""
         acc: Optional[torch.Tensor] = None
         for r in range(self.size):
@@ -348,13 +348,18 @@ class StoreBackend(Backend):
         def run(rnd: _Round) -> None:
             sends = [t.numel() for t in inputs]
             expects = [t.numel() for t in outputs]
-            rnd.publish(private={r: to_bytes(t) for r, t in enumerate(inputs) if r != self.rank},
-                        sends=sends, expects=expects)
+            rnd.publish(
+                private={r: to_bytes(t) for r, t in enumerate(inputs) if r != self.rank}, sends=sends, expects=expects
+            )
             assert rnd.headers is not None
             # Sizes may differ per pair, so they are not in the signature: check every pair here,
             # so that every rank (not only the one receiving the wrong size) raises.
-            wrong = [(i, j) for i, hi in enumerate(rnd.headers) for j, hj in enumerate(rnd.headers)
-                     if hi["sends"][j] != hj["expects"][i]]
+            wrong = [
+                (i, j)
+                for i, hi in enumerate(rnd.headers)
+                for j, hj in enumerate(rnd.headers)
+                if hi["sends"][j] != hj["expects"][i]
+            ]
             if wrong:
                 i, j = wrong[0]
                 raise DistBackendError(
@@ -438,9 +443,13 @@ class StoreBackend(Backend):
                 progressed = True
             elif now > rv.deadline:
                 who = "any rank" if rv.src is None else f"rank {rv.src}"
-                self._fail(rv, DistBackendTimeoutError(
-                    f"recv: backend {BACKEND_NAME!r} timed out after {self.timeout.total_seconds():g} s "
-                    f"waiting for a message from {who} (tag {rv.tag})"))
+                self._fail(
+                    rv,
+                    DistBackendTimeoutError(
+                        f"recv: backend {BACKEND_NAME!r} timed out after {self.timeout.total_seconds():g} s "
+                        f"waiting for a message from {who} (tag {rv.tag})"
+                    ),
+                )
                 progressed = True
         return progressed
 
@@ -485,9 +494,16 @@ class StoreBackend(Backend):
                 thread.join(timeout=5.0)
 
 
-def create_backend(*, store: Store, rank: int, world_size: int, timeout: timedelta,
-                   options: Optional[dict] = None, global_ranks: Optional[list[int]] = None,
-                   **_ignored: Any) -> StoreBackend:
+def create_backend(
+    *,
+    store: Store,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    options: Optional[dict] = None,
+    global_ranks: Optional[list[int]] = None,
+    **_ignored: Any,
+) -> StoreBackend:
     """The factory the core calls for each process group (``BackendSpec.factory``).
 
     ``store`` is already prefixed for this group; ``rank``/``world_size`` are the group

@@ -54,7 +54,7 @@ def tdist_register_backends(registry: Any) -> None:
                 # the conformance kit still runs their tests and expects a clean failure.
                 "unsupported": {
                     "peer_failure": "a dead peer is noticed only at the group's timeout "
-                                    "(the store gives no liveness signal)",
+                    "(the store gives no liveness signal)",
                 },
             },
         )

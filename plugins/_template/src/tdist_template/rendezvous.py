@@ -81,8 +81,14 @@ def indexed_rendezvous(
         rank = _int(index, f"environment variable {var}={index!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"{SCHEME}:// rendezvous: rank {rank} is out of range for world_size {world_size}")
-    store: Store = TCPStore(url.hostname, port, world_size, is_master=(rank == 0),
-                            timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    store: Store = TCPStore(
+        url.hostname,
+        port,
+        world_size,
+        is_master=(rank == 0),
+        timeout=timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
     if group_name:
         store = PrefixStore(f"job/{group_name}", store, owns=True)
     return store, rank, world_size

@@ -100,18 +100,23 @@ def _divergence(group: str, by_rank: dict[int, dict[int, dict[str, Any]]]) -> Op
         by_value: dict[str, list[int]] = {}
         for rank, entry in sorted(present.items()):
             value = entry.get(field)
-            label = {"op": f"called {value}", "nbytes": f"passed {value} B", "dtype": f"passed {value}",
-                     "reduce_op": f"reduced with {value}", "root": f"used root {value}"}[field]
+            label = {
+                "op": f"called {value}",
+                "nbytes": f"passed {value} B",
+                "dtype": f"passed {value}",
+                "reduce_op": f"reduced with {value}",
+                "root": f"used root {value}",
+            }[field]
             by_value.setdefault(label, []).append(rank)
         listing = "; ".join(f"rank(s) {ranks} {label}" for label, ranks in by_value.items())
         what = {"op": "operation", "nbytes": "size", "dtype": "dtype", "reduce_op": "reduction", "root": "root"}
-        return (f"DIVERGED at collective #{seq} of group {group}: the ranks disagree on the {what[field]}: "
-                f"{listing}")
+        return f"DIVERGED at collective #{seq} of group {group}: the ranks disagree on the {what[field]}: {listing}"
     return None
 
 
-def _stuck(group: str, members: list[int], by_rank: dict[int, dict[int, dict[str, Any]]],
-           dumps: dict[int, dict[str, Any]]) -> Optional[str]:
+def _stuck(
+    group: str, members: list[int], by_rank: dict[int, dict[int, dict[str, Any]]], dumps: dict[int, dict[str, Any]]
+) -> Optional[str]:
     """Which ranks are in the group's latest unfinished collective and which never entered it."""
     top = max((s for entries in by_rank.values() for s in entries), default=0)
     inside = sorted(r for r, entries in by_rank.items() if top in entries and entries[top]["state"] != "completed")
@@ -122,23 +127,31 @@ def _stuck(group: str, members: list[int], by_rank: dict[int, dict[int, dict[str
     lines = [f"rank(s) {inside} are in {_describe(entry)}, which did not complete"]
     for rank in absent:
         if rank not in dumps:
-            lines.append(f"rank {rank} NEVER ENTERED collective #{top} of group {group}: it left no dump "
-                         "(stopped, killed or stuck where it could not write one)")
+            lines.append(
+                f"rank {rank} NEVER ENTERED collective #{top} of group {group}: it left no dump "
+                "(stopped, killed or stuck where it could not write one)"
+            )
             continue
         last = max(by_rank.get(rank, {}), default=0)
         if last and by_rank[rank][last]["state"] != "completed":
             previous = by_rank[rank][last]
             how = "failed" if previous["state"] == "failed" else "is pending"
-            lines.append(f"rank {rank} NEVER ENTERED collective #{top} of group {group}: it is still in "
-                         f"{previous['op']} #{last}, which {how}")
+            lines.append(
+                f"rank {rank} NEVER ENTERED collective #{top} of group {group}: it is still in "
+                f"{previous['op']} #{last}, which {how}"
+            )
         elif last:
             previous = by_rank[rank][last]
-            lines.append(f"rank {rank} NEVER ENTERED collective #{top} of group {group}: its last collective there "
-                         f"is {previous['op']} #{last} (completed); it issued {top - last} fewer "
-                         "collective(s) in this group than the others (a skipped or extra collective?)")
+            lines.append(
+                f"rank {rank} NEVER ENTERED collective #{top} of group {group}: its last collective there "
+                f"is {previous['op']} #{last} (completed); it issued {top - last} fewer "
+                "collective(s) in this group than the others (a skipped or extra collective?)"
+            )
         else:
-            lines.append(f"rank {rank} NEVER ENTERED collective #{top} of group {group} (no collective of this group "
-                         "in its dump)")
+            lines.append(
+                f"rank {rank} NEVER ENTERED collective #{top} of group {group} (no collective of this group "
+                "in its dump)"
+            )
     return "\n".join(lines)
 
 
@@ -159,8 +172,10 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> str:
         if open_:
             lines.append(f"  rank {rank}: {_doing(open_[-1])}")
         elif entries:
-            lines.append(f"  rank {rank}: in no operation; last completed {_describe(entries[-1])} "
-                         f"(dumped on: {dumps[rank]['reason']})")
+            lines.append(
+                f"  rank {rank}: in no operation; last completed {_describe(entries[-1])} "
+                f"(dumped on: {dumps[rank]['reason']})"
+            )
         else:
             lines.append(f"  rank {rank}: issued no operation (dumped on: {dumps[rank]['reason']})")
     findings = []

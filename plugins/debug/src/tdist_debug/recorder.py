@@ -33,15 +33,39 @@ _TIMEOUT_WORDS = ("timeout", "timed out", "did not complete within")
 #: ranks are one shared tuple per group) followed by the dimensions of the operation's
 #: one shape, or by one JSON string when it has several: the garbage collector stops
 #: tracking such a tuple at its first collection, so a full ring costs no collection time.
-FIELDS = ("op", "group", "seq", "group_ranks", "dtype", "nbytes", "backend", "reduce_op", "root", "peer", "tag",
-          "issued_time")
+FIELDS = (
+    "op",
+    "group",
+    "seq",
+    "group_ranks",
+    "dtype",
+    "nbytes",
+    "backend",
+    "reduce_op",
+    "root",
+    "peer",
+    "tag",
+    "issued_time",
+)
 _PENDING = -1.0
 
 
 def _record(info: Any, shared: dict) -> tuple:
     ranks = info.group_ranks
-    head = (info.op, info.group, info.seq, shared.setdefault(ranks, ranks), info.dtype, info.nbytes, info.backend,
-            info.reduce_op, info.root, info.peer, info.tag, info.issued_time)
+    head = (
+        info.op,
+        info.group,
+        info.seq,
+        shared.setdefault(ranks, ranks),
+        info.dtype,
+        info.nbytes,
+        info.backend,
+        info.reduce_op,
+        info.root,
+        info.peer,
+        info.tag,
+        info.issued_time,
+    )
     shapes = info.shapes
     if len(shapes) == 1:
         return head + tuple(shapes[0])
@@ -121,8 +145,13 @@ class Recorder:
     def fast_hooks(self) -> tuple[Any, Any]:
         """(issued, completed) doing what :meth:`issued` and :meth:`completed` do, with
         the ring in closure variables: the per-operation path, without tracing."""
-        count, capacity, records, durations, indices = self._count, self._capacity, self._records, \
-            self._durations, self._indices
+        count, capacity, records, durations, indices = (
+            self._count,
+            self._capacity,
+            self._records,
+            self._durations,
+            self._indices,
+        )
         pending, pop, shared = self._pending, self._pending.pop, self._shared
 
         def issued(info: Any) -> None:
@@ -193,8 +222,14 @@ class Recorder:
         with self._dump_lock:
             now = time.time()
             data = {
-                "format": DUMP_FORMAT, "rank": self._rank(), "pid": os.getpid(), "host": socket.gethostname(),
-                "time": now, "reason": reason, "capacity": self.settings.capacity, "groups": self.groups,
+                "format": DUMP_FORMAT,
+                "rank": self._rank(),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "time": now,
+                "reason": reason,
+                "capacity": self.settings.capacity,
+                "groups": self.groups,
                 "entries": self.entries(now),
             }
             path = self._path("rank")
@@ -208,12 +243,20 @@ def trace_events(rank: int, entries: list[dict[str, Any]]) -> dict[str, Any]:
     """Chrome trace events (one complete event per operation, one thread per group)."""
     events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
     for e in entries:
-        events.append({
-            "name": f"{e['op']} #{e['seq']}", "cat": e["backend"], "ph": "X", "pid": rank, "tid": e["group"],
-            "ts": e["issued_time"] * 1e6, "dur": max((e["duration"] or 0.0) * 1e6, 0.0),
-            "args": {k: e[k] for k in ("state", "shapes", "dtype", "nbytes", "reduce_op", "root", "peer", "tag",
-                                       "error")},
-        })
+        events.append(
+            {
+                "name": f"{e['op']} #{e['seq']}",
+                "cat": e["backend"],
+                "ph": "X",
+                "pid": rank,
+                "tid": e["group"],
+                "ts": e["issued_time"] * 1e6,
+                "dur": max((e["duration"] or 0.0) * 1e6, 0.0),
+                "args": {
+                    k: e[k] for k in ("state", "shapes", "dtype", "nbytes", "reduce_op", "root", "peer", "tag", "error")
+                },
+            }
+        )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

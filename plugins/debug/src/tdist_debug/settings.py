@@ -35,8 +35,7 @@ class Settings:
             raise ValueError(f"{RECORDER_ENV}={raw!r}: expected the number of operations to keep, e.g. 2000") from None
         if capacity < 1:
             raise ValueError(f"{RECORDER_ENV}={raw!r}: keep at least 1 operation")
-        return cls(capacity, os.environ.get(DUMP_DIR_ENV) or "tdist-debug",
-                   _flag(AT_EXIT_ENV), _flag(TRACE_ENV))
+        return cls(capacity, os.environ.get(DUMP_DIR_ENV) or "tdist-debug", _flag(AT_EXIT_ENV), _flag(TRACE_ENV))
 
 
 def enabled_by_env() -> bool:

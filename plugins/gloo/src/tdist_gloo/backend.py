@@ -387,8 +387,18 @@ _OPCODES = {
     name: code
     for code, name in enumerate(
         (
-            "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
-            "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+            "broadcast",
+            "all_reduce",
+            "reduce",
+            "all_gather",
+            "all_gather_into_tensor",
+            "gather",
+            "scatter",
+            "reduce_scatter",
+            "reduce_scatter_tensor",
+            "all_to_all",
+            "all_to_all_single",
+            "barrier",
         ),
         start=1,
     )
@@ -645,9 +655,7 @@ class GlooBackend(Backend):
             return self._reduce_scatter_whole("reduce_scatter", output, whole, op, plan)
         out_buffer, finish = _out_buffer(plan, output)
         in_buffers = [_in_buffer(plan, t, op.factor).reshape(-1) for t in inputs]
-        work = self._call(
-            "reduce_scatter", self._pg.reduce_scatter, [out_buffer.view(-1)], [in_buffers], plan.rs_opts
-        )
+        work = self._call("reduce_scatter", self._pg.reduce_scatter, [out_buffer.view(-1)], [in_buffers], plan.rs_opts)
         # gloo's reduce_scatter works learn of completion only inside wait() (pollable=False)
         return GlooWork(work, "reduce_scatter", (output,), post=finish, pollable=False, owner=self)
 
@@ -658,7 +666,10 @@ class GlooBackend(Backend):
         out_buffer, finish = _out_buffer(plan, output)
         in_buffer = _in_buffer(plan, tensor, op.factor)
         work = self._call(
-            "reduce_scatter_tensor", self._pg._reduce_scatter_base, out_buffer.reshape(-1), in_buffer.reshape(-1),
+            "reduce_scatter_tensor",
+            self._pg._reduce_scatter_base,
+            out_buffer.reshape(-1),
+            in_buffer.reshape(-1),
             plan.rs_opts,
         )
         return GlooWork(work, "reduce_scatter_tensor", (output,), post=finish, pollable=False, owner=self)
@@ -696,8 +707,13 @@ class GlooBackend(Backend):
         if self._check:
             self._verify("all_to_all_single", tensor, elements=False)
         work = self._call(
-            "all_to_all_single", self._pg.alltoall_base, _rows(output), _rows(tensor), list(output_split_sizes),
-            list(input_split_sizes), self._a2a_opts,
+            "all_to_all_single",
+            self._pg.alltoall_base,
+            _rows(output),
+            _rows(tensor),
+            list(output_split_sizes),
+            list(input_split_sizes),
+            self._a2a_opts,
         )
         return GlooWork(work, "all_to_all_single", (output,), owner=self)
 

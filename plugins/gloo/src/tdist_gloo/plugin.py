@@ -40,13 +40,11 @@ def tdist_register_backends(registry: Any) -> None:
 
 
 def _spec() -> BackendSpec:
-    return (
-        BackendSpec(
-            name=BACKEND_NAME,
-            factory=_factory,
-            operations=OPERATIONS,
-            description="torch's gloo (ProcessGroupGloo): CPU collectives and point-to-point, CUDA collectives",
-            available=unavailable_reason(),
-            extra={"unsupported": _unsupported_features()},
-        )
+    return BackendSpec(
+        name=BACKEND_NAME,
+        factory=_factory,
+        operations=OPERATIONS,
+        description="torch's gloo (ProcessGroupGloo): CPU collectives and point-to-point, CUDA collectives",
+        available=unavailable_reason(),
+        extra={"unsupported": _unsupported_features()},
     )

@@ -51,7 +51,9 @@ def _slow_buffer(t: torch.Tensor) -> Any:
     if not t.is_cpu:
         return _device_buffer(t)
     if t.is_conj() or t.is_neg():
-        raise ValueError("mpi backend: tensor has a lazy conjugate/negative bit; call resolve_conj()/resolve_neg() first")
+        raise ValueError(
+            "mpi backend: tensor has a lazy conjugate/negative bit; call resolve_conj()/resolve_neg() first"
+        )
     return _EMPTY  # no elements
 
 
@@ -102,24 +104,41 @@ class Tables:
         self._by_size = by_size
         self._xfer: dict[torch.dtype, Any] = {}
         reduce_types = {
-            torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
-            torch.complex64: MPI.C_FLOAT_COMPLEX, torch.complex128: MPI.C_DOUBLE_COMPLEX,
-            torch.uint8: MPI.UINT8_T, torch.int8: MPI.INT8_T, torch.int16: MPI.INT16_T,
-            torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T, torch.bool: MPI.C_BOOL,
+            torch.float32: MPI.FLOAT,
+            torch.float64: MPI.DOUBLE,
+            torch.complex64: MPI.C_FLOAT_COMPLEX,
+            torch.complex128: MPI.C_DOUBLE_COMPLEX,
+            torch.uint8: MPI.UINT8_T,
+            torch.int8: MPI.INT8_T,
+            torch.int16: MPI.INT16_T,
+            torch.int32: MPI.INT32_T,
+            torch.int64: MPI.INT64_T,
+            torch.bool: MPI.C_BOOL,
         }
         for name, mpi_name in (("uint16", "UINT16_T"), ("uint32", "UINT32_T"), ("uint64", "UINT64_T")):
             if hasattr(torch, name):
                 reduce_types[getattr(torch, name)] = getattr(MPI, mpi_name)
         self._reduce_types = reduce_types
         self._ops = {
-            ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
-            ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR,
-            ReduceOp.AVG: MPI.SUM, ReduceOp.PREMUL_SUM: MPI.SUM,
+            ReduceOp.SUM: MPI.SUM,
+            ReduceOp.PRODUCT: MPI.PROD,
+            ReduceOp.MIN: MPI.MIN,
+            ReduceOp.MAX: MPI.MAX,
+            ReduceOp.BAND: MPI.BAND,
+            ReduceOp.BOR: MPI.BOR,
+            ReduceOp.BXOR: MPI.BXOR,
+            ReduceOp.AVG: MPI.SUM,
+            ReduceOp.PREMUL_SUM: MPI.SUM,
         }
         # MPI defines only logical operators on C_BOOL: torch's bool semantics (sum = or).
         self._bool_ops = {
-            ReduceOp.SUM: MPI.LOR, ReduceOp.PRODUCT: MPI.LAND, ReduceOp.MIN: MPI.LAND, ReduceOp.MAX: MPI.LOR,
-            ReduceOp.BAND: MPI.LAND, ReduceOp.BOR: MPI.LOR, ReduceOp.BXOR: MPI.LXOR,
+            ReduceOp.SUM: MPI.LOR,
+            ReduceOp.PRODUCT: MPI.LAND,
+            ReduceOp.MIN: MPI.LAND,
+            ReduceOp.MAX: MPI.LOR,
+            ReduceOp.BAND: MPI.LAND,
+            ReduceOp.BOR: MPI.LOR,
+            ReduceOp.BXOR: MPI.LXOR,
         }
         self._plans: dict[tuple[torch.dtype, ReduceOp], Plan] = {}
 

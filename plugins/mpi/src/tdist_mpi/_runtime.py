@@ -20,8 +20,15 @@ from typing import Any, Optional
 from tdist.plugin import DistBackendError, flag
 
 __all__ = [
-    "Runtime", "runtime", "availability", "cuda_aware", "mpi_error", "check_collectives_default",
-    "ABORT_ENV", "CUDA_ENV", "CHECK_ENV",
+    "Runtime",
+    "runtime",
+    "availability",
+    "cuda_aware",
+    "mpi_error",
+    "check_collectives_default",
+    "ABORT_ENV",
+    "CUDA_ENV",
+    "CHECK_ENV",
 ]
 
 #: Set to 0 to keep Python's default behaviour on an uncaught exception (no MPI_Abort).

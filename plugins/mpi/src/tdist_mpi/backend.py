@@ -28,9 +28,25 @@ __all__ = ["MPIBackend", "create_backend"]
 MPIException: Any = None
 _tables: Optional[Tables] = None
 
-_OP_CODES = {name: i + 1 for i, name in enumerate((
-    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier"))}
+_OP_CODES = {
+    name: i + 1
+    for i, name in enumerate(
+        (
+            "broadcast",
+            "all_reduce",
+            "reduce",
+            "all_gather",
+            "all_gather_into_tensor",
+            "gather",
+            "scatter",
+            "reduce_scatter",
+            "reduce_scatter_tensor",
+            "all_to_all",
+            "all_to_all_single",
+            "barrier",
+        )
+    )
+}
 
 
 def _bind(rt: Runtime) -> Tables:
@@ -118,7 +134,8 @@ class MPIBackend(Backend):
         comm = self._comm
         # nonblocking + polled wait: a blocking call would hold the lock in serialised mode
         self._issue(
-            f"{operation} (collective check)", lambda: comm.Iallreduce(MPI.IN_PLACE, [both, MPI.INT64_T], MPI.MAX),
+            f"{operation} (collective check)",
+            lambda: comm.Iallreduce(MPI.IN_PLACE, [both, MPI.INT64_T], MPI.MAX),
             keep=both,
         ).wait()
         if (both[:5] != -both[5:]).any():
@@ -208,9 +225,7 @@ class MPIBackend(Backend):
         buf = buffer(work)
         comm, size, in_place = self._comm, self.size, self._IN_PLACE
         if not root:
-            return self._issue(
-                "reduce", lambda: comm.Ireduce([buf, plan.dt], None, plan.op, dst), (tensor,), keep=work
-            )
+            return self._issue("reduce", lambda: comm.Ireduce([buf, plan.dt], None, plan.op, dst), (tensor,), keep=work)
         finalize = None
         if plan.avg or work is not target:
 
@@ -347,9 +362,7 @@ class MPIBackend(Backend):
             for out, piece in zip(outputs, recv.split(rcounts)):
                 out.detach().view(-1).copy_(piece)
 
-        return self._issue(
-            "all_to_all", lambda: comm.Ialltoallv(sspec, rspec), list(outputs), finalize, (send, recv)
-        )
+        return self._issue("all_to_all", lambda: comm.Ialltoallv(sspec, rspec), list(outputs), finalize, (send, recv))
 
     def all_to_all_single(
         self,
@@ -421,7 +434,9 @@ def create_backend(
     _bind(rt)
     ranks = list(global_ranks) if global_ranks is not None else list(range(world_size))
     if len(ranks) != world_size or not 0 <= rank < world_size:
-        raise DistBackendError(f"mpi backend: rank {rank} / {len(ranks)} global ranks do not match world size {world_size}")
+        raise DistBackendError(
+            f"mpi backend: rank {rank} / {len(ranks)} global ranks do not match world size {world_size}"
+        )
     me = ranks[rank]
     if rt.world_size == 1 and len(ranks) > 1:
         raise DistBackendError(

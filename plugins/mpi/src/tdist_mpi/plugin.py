@@ -47,17 +47,15 @@ def _spec() -> BackendSpec:
             "MPI does not detect ranks issuing different collectives (op, dtype, root); "
             f"set {CHECK_ENV}=1 to check every collective first"
         )
-    return (
-        BackendSpec(
-            name="mpi",
-            factory=_factory,
-            operations=operations,
-            description="MPI through mpi4py (nonblocking MPI calls, zero-copy buffers); launch with mpirun",
-            available=reason,
-            default_init_method="mpi://",
-            launcher="mpirun",
-            extra={"unsupported": unsupported},
-        )
+    return BackendSpec(
+        name="mpi",
+        factory=_factory,
+        operations=operations,
+        description="MPI through mpi4py (nonblocking MPI calls, zero-copy buffers); launch with mpirun",
+        available=reason,
+        default_init_method="mpi://",
+        launcher="mpirun",
+        extra={"unsupported": unsupported},
     )
 
 

@@ -58,8 +58,10 @@ def _host_address() -> str:
 def _launcher_problem(me: int, n: int) -> str:
     """Why RANK / WORLD_SIZE (set by a launcher such as tdistrun or torchrun) contradict
     MPI's world, or ""."""
-    for name, mpi_value, what in (("WORLD_SIZE", n, f"MPI_COMM_WORLD has {n} rank(s)"),
-                                  ("RANK", me, f"this process is MPI rank {me} of {n}")):
+    for name, mpi_value, what in (
+        ("WORLD_SIZE", n, f"MPI_COMM_WORLD has {n} rank(s)"),
+        ("RANK", me, f"this process is MPI rank {me} of {n}"),
+    ):
         raw = os.environ.get(name, "").strip()
         if not raw:
             continue
@@ -68,10 +70,11 @@ def _launcher_problem(me: int, n: int) -> str:
         except ValueError:
             return f"the environment sets {name}={raw!r}, which is not an integer"
         if value != mpi_value:
-            hint = (" (this process was not started by mpirun: MPI sees it alone, as rank 0 of 1)"
-                    if n == 1 else "")
-            return (f"the launcher set {name}={value} but {what}{hint}; the mpi backend takes its ranks "
-                    "from MPI: start the program with mpirun -n N, not tdistrun or torchrun")
+            hint = " (this process was not started by mpirun: MPI sees it alone, as rank 0 of 1)" if n == 1 else ""
+            return (
+                f"the launcher set {name}={value} but {what}{hint}; the mpi backend takes its ranks "
+                "from MPI: start the program with mpirun -n N, not tdistrun or torchrun"
+            )
     return ""
 
 
@@ -84,8 +87,7 @@ def mpi_rendezvous(
     me, n = rt.world_rank, rt.world_size
     if world_size == 0:  # the tutorial's init_process(0, 0, run, backend="mpi")
         rank = world_size = -1
-    from_mpi = ("; under mpirun the rank and world size come from MPI (omit rank= and world_size=, "
-                "or pass MPI's values)")
+    from_mpi = "; under mpirun the rank and world size come from MPI (omit rank= and world_size=, or pass MPI's values)"
     if world_size > 0 and world_size != n:
         problem = f"world_size={world_size} was passed but the MPI job has {n} ranks" + from_mpi
     elif rank >= 0 and rank != me:

@@ -4,6 +4,7 @@
 ``abort.py collective`` every rank but the last waits in all_reduce; the last raises
 ``abort.py mismatch``   every rank passes rank=0: a clear error on every rank (caught, rc 0)
 """
+
 import sys
 from datetime import timedelta
 
@@ -19,6 +20,7 @@ if mode == "mismatch":
         print(f"MISMATCH ERROR: {exc}", flush=True)
     else:
         from mpi4py import MPI
+
         assert MPI.COMM_WORLD.rank == 0, "rank=0 accepted on a rank that is not MPI rank 0"
         print("MISMATCH ACCEPTED on rank 0", flush=True)
     sys.exit(0)

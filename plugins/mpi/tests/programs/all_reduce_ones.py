@@ -1,4 +1,5 @@
 """init_process_group("mpi") and an all_reduce of ones: prints the rank, world size and sum."""
+
 import torch
 
 import tdist as dist

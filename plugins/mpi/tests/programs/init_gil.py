@@ -1,6 +1,7 @@
 """MPI_Init must not hold the GIL: rank 0 serves a TCPStore (as under env://) and starts
 MPI at once; rank 1 first needs that store (a late peer), then starts MPI.
 Run: mpirun -n 2 python init_gil.py PORT"""
+
 import os
 import sys
 import time

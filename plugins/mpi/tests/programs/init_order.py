@@ -4,6 +4,7 @@ Run: mpirun -n 2 python init_order.py {init_mpi|mpi4py_first}
 init_mpi: tdist_mpi.init_mpi() first, then mpi4py.MPI is the same, initialised module and
 init_process_group warns about nothing; mpi4py_first: `from mpi4py import MPI` first, and
 init_process_group("mpi") warns (RuntimeWarning) how to get the fast algorithm."""
+
 import os
 import sys
 import warnings

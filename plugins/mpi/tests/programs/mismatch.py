@@ -2,6 +2,7 @@
 raises DistBackendError promptly, and the world still works after it. The mismatches
 are the conformance kit's own (tdist.testing.scenarios).
 Run: mpirun -n 2 python mismatch.py op,size,dtype_float64,dtype_int32,root"""
+
 import sys
 
 import torch

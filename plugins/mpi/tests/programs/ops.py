@@ -64,9 +64,15 @@ def expected(op: ReduceOp, dtype: torch.dtype, numel: int = 5, factor: float = 2
     inputs = [rank_input(r, dtype, numel) for r in range(n)]
     if dtype == torch.bool:
         s = torch.stack(inputs)
-        table = {ReduceOp.SUM: s.any(0), ReduceOp.MAX: s.any(0), ReduceOp.BOR: s.any(0),
-                 ReduceOp.PRODUCT: s.all(0), ReduceOp.MIN: s.all(0), ReduceOp.BAND: s.all(0),
-                 ReduceOp.BXOR: s.long().sum(0) % 2 == 1}
+        table = {
+            ReduceOp.SUM: s.any(0),
+            ReduceOp.MAX: s.any(0),
+            ReduceOp.BOR: s.any(0),
+            ReduceOp.PRODUCT: s.all(0),
+            ReduceOp.MIN: s.all(0),
+            ReduceOp.BAND: s.all(0),
+            ReduceOp.BXOR: s.long().sum(0) % 2 == 1,
+        }
         return table[op]
     wide = torch.complex128 if dtype.is_complex else (torch.float64 if dtype.is_floating_point else torch.int64)
     s = torch.stack([x.to(wide) for x in inputs])
@@ -153,7 +159,7 @@ def _():
             full = rank_input(rank, dtype, 2 * n)
             out = torch.empty(2, dtype=dtype)
             dist.reduce_scatter_tensor(out, full, op=as_op(op, dtype))
-            same(out, expected(op, dtype, 2 * n)[2 * rank: 2 * rank + 2], f"reduce_scatter_tensor {op.name} {dtype}")
+            same(out, expected(op, dtype, 2 * n)[2 * rank : 2 * rank + 2], f"reduce_scatter_tensor {op.name} {dtype}")
             same(full, rank_input(rank, dtype, 2 * n), "reduce_scatter_tensor leaves its input alone")
             out2 = torch.empty(2, dtype=dtype)
             dist.reduce_scatter(out2, list(full.chunk(n)), op=as_op(op, dtype))
@@ -237,7 +243,9 @@ def _():
         t = torch.zeros(2, dtype=torch.int64)
         for _ in range(k * (n - 1)):
             src = dist.recv(t, src=None, tag=21)
-            assert src == int(t[0]), f"recv(src=None) returned {src} for a message from {int(t[0])} {t.view(torch.uint8).tolist()}"
+            assert src == int(t[0]), (
+                f"recv(src=None) returned {src} for a message from {int(t[0])} {t.view(torch.uint8).tolist()}"
+            )
             seen[src].append(int(t[1]))
         for r, seq in seen.items():
             assert seq == list(range(k)), f"messages from {r} overtook each other: {seq}"
@@ -263,8 +271,10 @@ def _():
             dist.recv(got, src=0, tag=23)
             same(got, rank_input(0, dtype, 6), f"send/recv {dtype}")
     # batch_isend_irecv ring
-    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), nxt, tag=22),
-           dist.P2POp(dist.irecv, buf2 := torch.zeros(2), prv, tag=22)]
+    ops = [
+        dist.P2POp(dist.isend, torch.full((2,), float(rank)), nxt, tag=22),
+        dist.P2POp(dist.irecv, buf2 := torch.zeros(2), prv, tag=22),
+    ]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     same(buf2, torch.full((2,), float(prv)), "batch_isend_irecv")

@@ -4,6 +4,7 @@ the tutorial's init_process and run functions, launched by ``mpirun -n N``.
 ``python tutorial.py``             -> init_process(0, 0, run, backend='mpi'), as the tutorial says
 ``python tutorial.py no-args``     -> dist.init_process_group('mpi') with no rank / world_size
 """
+
 import os
 import sys
 
@@ -19,7 +20,7 @@ def run(rank, size):
     tensor = torch.ones(1)
     if rank in (0, 1):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    print('Rank ', rank, ' has data ', tensor[0])
+    print("Rank ", rank, " has data ", tensor[0])
     tensor = torch.zeros(1)
     if size > 1:
         if rank == 0:
@@ -27,14 +28,14 @@ def run(rank, size):
             dist.send(tensor=tensor, dst=1)
         elif rank == 1:
             dist.recv(tensor=tensor, src=0)
-    print('Rank ', rank, ' p2p data ', tensor[0])
+    print("Rank ", rank, " p2p data ", tensor[0])
     assert float(dist.get_world_size()) == size
 
 
-def init_process(rank, size, fn, backend='gloo'):
-    """ Initialize the distributed environment. """
-    os.environ['MASTER_ADDR'] = '127.0.0.1'
-    os.environ['MASTER_PORT'] = '29500'
+def init_process(rank, size, fn, backend="gloo"):
+    """Initialize the distributed environment."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = "29500"
     dist.init_process_group(backend, rank=rank, world_size=size)
     fn(dist.get_rank(), dist.get_world_size())
 
@@ -44,5 +45,5 @@ if __name__ == "__main__":
         dist.init_process_group("mpi")
         run(dist.get_rank(), dist.get_world_size())
     else:
-        init_process(0, 0, run, backend='mpi')
+        init_process(0, 0, run, backend="mpi")
     print(f"TUTORIAL OK rank {dist.get_rank()} of {dist.get_world_size()}", flush=True)

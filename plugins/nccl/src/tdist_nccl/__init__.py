@@ -27,8 +27,19 @@ INSTALL_HINT = "pip install tdist-nccl[cuda12] (or tdist-nccl[cuda13] for CUDA 1
 OPERATIONS: dict[str, frozenset[str]] = {
     "cuda": frozenset(
         {
-            "send", "recv", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
-            "reduce_scatter", "all_to_all", "barrier", "all_gather_into_tensor", "reduce_scatter_tensor",
+            "send",
+            "recv",
+            "broadcast",
+            "all_reduce",
+            "reduce",
+            "all_gather",
+            "gather",
+            "scatter",
+            "reduce_scatter",
+            "all_to_all",
+            "barrier",
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
             "all_to_all_single",
         }
     )

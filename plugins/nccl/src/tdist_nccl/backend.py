@@ -185,8 +185,9 @@ class NcclBackend(Backend):
     def _enqueue(self, kind: str, tensor: torch.Tensor, peer: int) -> NcclWork:
         device = self.device_of([tensor], kind)
         stream = self.cuda.stream(device)
-        work = NcclWork(kind, [tensor] if kind == "recv" else [], source_rank=peer if kind == "recv" else -1,
-                        flush=self.flush)
+        work = NcclWork(
+            kind, [tensor] if kind == "recv" else [], source_rank=peer if kind == "recv" else -1, flush=self.flush
+        )
         with self.lock:
             self.check_open(kind)
             if self._pending and self._pending[0].device != device:
@@ -321,8 +322,14 @@ class NcclBackend(Backend):
         return self.run("reduce_scatter_tensor", [output, tensor], issue, [output])
 
     def _reduce_scatter_flat(
-        self, comm: Any, stream: int, output: torch.Tensor, flat: torch.Tensor, op: Reduction,
-        plan: ReducePlan, prescaled_already: bool = False,
+        self,
+        comm: Any,
+        stream: int,
+        output: torch.Tensor,
+        flat: torch.Tensor,
+        op: Reduction,
+        plan: ReducePlan,
+        prescaled_already: bool = False,
     ) -> None:
         staging = Staging()
         out = staging.writable(output)
@@ -515,6 +522,12 @@ def create_backend(
         raise DistBackendError("nccl backend: no CUDA device visible (torch.cuda.is_available() is False)")
     device = parse_device((options or {}).get("device_id"))
     return NcclBackend(
-        store=store, rank=rank, size=world_size, timeout=timeout, nccl=nccl, cuda=TorchCuda(),
-        device=device, global_ranks=global_ranks,
+        store=store,
+        rank=rank,
+        size=world_size,
+        timeout=timeout,
+        nccl=nccl,
+        cuda=TorchCuda(),
+        device=device,
+        global_ranks=global_ranks,
     )

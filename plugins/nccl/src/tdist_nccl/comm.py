@@ -87,9 +87,7 @@ def decode_unique_id(data: bytes, signed: bool = True) -> tuple[int, ...]:
     """The tuple of ``char`` values CuPy before 14 takes, from the id's 128 bytes."""
     data = bytes(data)
     if len(data) != UNIQUE_ID_BYTES:
-        raise DistBackendError(
-            f"nccl backend: the NCCL unique id has {len(data)} bytes, expected {UNIQUE_ID_BYTES}"
-        )
+        raise DistBackendError(f"nccl backend: the NCCL unique id has {len(data)} bytes, expected {UNIQUE_ID_BYTES}")
     if not signed:
         return tuple(data)
     return tuple(b - 256 if b > 127 else b for b in data)

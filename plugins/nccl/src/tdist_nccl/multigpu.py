@@ -151,9 +151,7 @@ class MultiGpu:
 
         return self.run("all_reduce", tensors, issue, finish, tensors, prepare)
 
-    def reduce(
-        self, tensors: list[torch.Tensor], root: int, reduction: Reduction, dst_tensor: int
-    ) -> NcclWork:
+    def reduce(self, tensors: list[torch.Tensor], root: int, reduction: Reduction, dst_tensor: int) -> NcclWork:
         b = self.backend
         plan = b.plan(tensors[0].dtype, reduction, "reduce_multigpu")
         staging = Staging()

@@ -33,19 +33,17 @@ def tdist_register_backends(registry: Any) -> None:
 
 
 def _spec() -> BackendSpec:
-    return (
-        BackendSpec(
-            name=BACKEND_NAME,
-            factory=create_nccl_backend,
-            operations=OPERATIONS,
-            description=DESCRIPTION,
-            available=unavailable_reason(),
-            extra={
-                "options": ("device_id",),
-                # finer features the conformance kit asks about (tdist.testing.capabilities)
-                "unsupported": {"p2p_tags": "NCCL has no message tags: messages between two ranks match in order"},
-            },
-        )
+    return BackendSpec(
+        name=BACKEND_NAME,
+        factory=create_nccl_backend,
+        operations=OPERATIONS,
+        description=DESCRIPTION,
+        available=unavailable_reason(),
+        extra={
+            "options": ("device_id",),
+            # finer features the conformance kit asks about (tdist.testing.capabilities)
+            "unsupported": {"p2p_tags": "NCCL has no message tags: messages between two ranks match in order"},
+        },
     )
 
 

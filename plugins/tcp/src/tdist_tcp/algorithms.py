@@ -32,8 +32,19 @@ if TYPE_CHECKING:
     from tdist.plugin import Reduction
 
 __all__ = [
-    "Coll", "Scratch", "segments", "all_reduce_small", "all_reduce_ring", "ring", "broadcast_tree", "broadcast_chain",
-    "reduce_tree", "all_to_all", "gather", "scatter", "barrier",
+    "Coll",
+    "Scratch",
+    "segments",
+    "all_reduce_small",
+    "all_reduce_ring",
+    "ring",
+    "broadcast_tree",
+    "broadcast_chain",
+    "reduce_tree",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "barrier",
 ]
 
 _EMPTY = memoryview(b"")
@@ -52,7 +63,7 @@ def serially(fn: Callable[..., Any], *tensors: "torch.Tensor") -> None:
         fn(*tensors)
         return
     for a in range(0, n, GRAIN):
-        fn(*[t[a:a + GRAIN] for t in tensors])
+        fn(*[t[a : a + GRAIN] for t in tensors])
 
 
 def combine_serial(acc: "torch.Tensor", other: "torch.Tensor", op: "Reduction") -> None:
@@ -62,7 +73,7 @@ def combine_serial(acc: "torch.Tensor", other: "torch.Tensor", op: "Reduction") 
         combine_(acc, other, op)
         return
     for a in range(0, n, GRAIN):
-        combine_(acc[a:a + GRAIN], other[a:a + GRAIN], op)
+        combine_(acc[a : a + GRAIN], other[a : a + GRAIN], op)
 
 
 def copy_serial(dst: "torch.Tensor", src: "torch.Tensor") -> None:
@@ -103,8 +114,17 @@ class Coll:
 
     __slots__ = ("tr", "rank", "size", "op", "redop", "seq", "dtype", "nbytes", "deadline", "scratch")
 
-    def __init__(self, tr: Transport, op: int, redop: int, seq: int, dtype: int, deadline: float,
-                 scratch: Optional[Scratch] = None, nbytes: int = 0) -> None:
+    def __init__(
+        self,
+        tr: Transport,
+        op: int,
+        redop: int,
+        seq: int,
+        dtype: int,
+        deadline: float,
+        scratch: Optional[Scratch] = None,
+        nbytes: int = 0,
+    ) -> None:
         self.tr = tr
         self.rank = tr.rank
         self.size = tr.size
@@ -133,8 +153,9 @@ class Coll:
         return self.tr.collective_timeout(self, exc.peer, f"waiting for {exc.frame} from {self.tr.label(exc.peer)}")
 
     def send(self, dst: int, payload: memoryview, part: int = 0) -> None:
-        self.tr.send(dst, pack_header(COLL, self.op, self.redop, self.dtype, part, self.seq, len(payload)), payload,
-                     self)
+        self.tr.send(
+            dst, pack_header(COLL, self.op, self.redop, self.dtype, part, self.seq, len(payload)), payload, self
+        )
 
     def irecv_ack(self, src: int) -> PostedRecv:
         try:
@@ -191,8 +212,9 @@ def all_reduce_small(c: Coll, flat: "torch.Tensor", op: "Reduction") -> None:
         c.send(r + pof2, view, _UNFOLD)
 
 
-def ring(c: Coll, chunks: Sequence["torch.Tensor"], nsteps: int, nreduce: int, op: Optional["Reduction"],
-         seg: int) -> None:
+def ring(
+    c: Coll, chunks: Sequence["torch.Tensor"], nsteps: int, nreduce: int, op: Optional["Reduction"], seg: int
+) -> None:
     """The segmented ring. At step s rank r sends chunk (r - s) % p to its right and
     receives chunk (r - s - 1) % p from its left; the first ``nreduce`` steps combine
     what arrives into the local chunk (reduce-scatter), later ones receive in place
@@ -214,14 +236,14 @@ def ring(c: Coll, chunks: Sequence["torch.Tensor"], nsteps: int, nreduce: int, o
     def post(s: int) -> list[PostedRecv]:
         ci = (r - s - 1) % p
         view = tviews[s % 2] if s < nreduce else views[ci]
-        return [c.irecv(left, view[a * es:b * es], (s << 32) | k) for k, (a, b) in enumerate(segs[ci])]
+        return [c.irecv(left, view[a * es : b * es], (s << 32) | k) for k, (a, b) in enumerate(segs[ci])]
 
     posted = {0: post(0)}
     if nsteps > 1:
         posted[1] = post(1)
     mine = r % p
     for k, (a, b) in enumerate(segs[mine]):
-        c.send(right, views[mine][a * es:b * es], k)
+        c.send(right, views[mine][a * es : b * es], k)
     for s in range(nsteps):
         ci = (r - s - 1) % p
         prs = posted.pop(s)
@@ -234,7 +256,7 @@ def ring(c: Coll, chunks: Sequence["torch.Tensor"], nsteps: int, nreduce: int, o
             if reducing:
                 combine_serial(chunk[a:b], tmp[a:b], op)  # type: ignore[index,arg-type]
             if forward:
-                c.send(right, view[a * es:b * es], ((s + 1) << 32) | k)
+                c.send(right, view[a * es : b * es], ((s + 1) << 32) | k)
         if s + 2 < nsteps:
             posted[s + 2] = post(s + 2)
 
@@ -243,7 +265,7 @@ def all_reduce_ring(c: Coll, flat: "torch.Tensor", op: "Reduction", seg: int) ->
     """Ring reduce-scatter then ring all-gather (2 (p - 1) pipelined steps)."""
     p, n = c.size, flat.numel()
     bounds = [(i * n) // p for i in range(p + 1)]
-    chunks = [flat[bounds[i]:bounds[i + 1]] for i in range(p)]
+    chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(p)]
     ring(c, chunks, 2 * (p - 1), p - 1, op, seg)
 
 
@@ -310,7 +332,7 @@ def reduce_tree(c: Coll, flat: "torch.Tensor", root: int, op: "Reduction", seg: 
             parent = (vr - mask + root) % p
             ack = c.irecv_ack(parent)
             for k, (a, b) in enumerate(segs):
-                c.send(parent, view[a * es:b * es], k)
+                c.send(parent, view[a * es : b * es], k)
             c.wait(ack)
             return
         child = vr | mask
@@ -319,7 +341,7 @@ def reduce_tree(c: Coll, flat: "torch.Tensor", root: int, op: "Reduction", seg: 
                 tmp = c.scratch.get("tree", flat.numel(), flat.dtype)
                 tview = byte_view(tmp)
             src = (child + root) % p
-            prs = [c.irecv(src, tview[a * es:b * es], k) for k, (a, b) in enumerate(segs)]  # type: ignore[index]
+            prs = [c.irecv(src, tview[a * es : b * es], k) for k, (a, b) in enumerate(segs)]  # type: ignore[index]
             for k, (a, b) in enumerate(segs):
                 c.wait(prs[k])
                 combine_serial(flat[a:b], tmp[a:b], op)

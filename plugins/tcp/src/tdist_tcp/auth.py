@@ -32,8 +32,18 @@ from typing import NamedTuple, Optional
 
 from .wire import HELLO_MAGIC, PROTOCOL_VERSION
 
-__all__ = ["Hello", "HELLO", "MAC_SIZE", "ACCEPTED", "REFUSED", "FLAG_TOKEN", "group_key", "mac",
-           "make_hello", "parse_hello"]
+__all__ = [
+    "Hello",
+    "HELLO",
+    "MAC_SIZE",
+    "ACCEPTED",
+    "REFUSED",
+    "FLAG_TOKEN",
+    "group_key",
+    "mac",
+    "make_hello",
+    "parse_hello",
+]
 
 #: magic, protocol version, group nonce, sender's group rank, world size, flags, connection nonce
 HELLO = struct.Struct("<8sI16sIII16s")
@@ -59,8 +69,9 @@ def group_key(secret: bytes, group_nonce: bytes) -> bytes:
 
 
 def make_hello(group_nonce: bytes, rank: int, size: int, has_token: bool) -> bytes:
-    return HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, group_nonce, rank, size, FLAG_TOKEN if has_token else 0,
-                      os.urandom(16))
+    return HELLO.pack(
+        HELLO_MAGIC, PROTOCOL_VERSION, group_nonce, rank, size, FLAG_TOKEN if has_token else 0, os.urandom(16)
+    )
 
 
 def parse_hello(data: bytes, group_nonce: bytes, size: int) -> Optional[Hello]:
@@ -68,8 +79,13 @@ def parse_hello(data: bytes, group_nonce: bytes, size: int) -> Optional[Hello]:
     if len(data) != HELLO.size:
         return None
     magic, version, nonce, rank, their_size, flags, conn_nonce = HELLO.unpack(data)
-    if magic != HELLO_MAGIC or version != PROTOCOL_VERSION or nonce != group_nonce or their_size != size \
-            or not 0 <= rank < size:
+    if (
+        magic != HELLO_MAGIC
+        or version != PROTOCOL_VERSION
+        or nonce != group_nonce
+        or their_size != size
+        or not 0 <= rank < size
+    ):
         return None
     return Hello(nonce, rank, their_size, flags, conn_nonce)
 

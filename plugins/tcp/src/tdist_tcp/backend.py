@@ -134,7 +134,7 @@ def _concat(c: algo.Coll, flats: Sequence["torch.Tensor"]) -> "torch.Tensor":
     out = c.scratch.get("work", sum(f.numel() for f in flats), flats[0].dtype)
     at = 0
     for f in flats:
-        algo.copy_serial(out[at:at + f.numel()], f)
+        algo.copy_serial(out[at : at + f.numel()], f)
         at += f.numel()
     return out
 
@@ -144,8 +144,16 @@ class TcpBackend(Backend):
 
     name = "tcp"
 
-    def __init__(self, rank: int, size: int, timeout: timedelta, transport: Transport,
-                 options: Mapping[str, Any], shm: Optional[ShmEngine] = None, authenticated: bool = False) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        transport: Transport,
+        options: Mapping[str, Any],
+        shm: Optional[ShmEngine] = None,
+        authenticated: bool = False,
+    ) -> None:
         super().__init__(rank, size, timeout)
         self._shm = shm
         self._authenticated = authenticated
@@ -174,8 +182,9 @@ class TcpBackend(Backend):
     def _seg_elems(self, element_size: int) -> int:
         return max(1, self._segment_bytes // max(1, element_size))
 
-    def _submit(self, name: str, dtype: Any, redop: Optional["Reduction"],
-                body: Callable[[algo.Coll], Any], nbytes: int = 0) -> Work:
+    def _submit(
+        self, name: str, dtype: Any, redop: Optional["Reduction"], body: Callable[[algo.Coll], Any], nbytes: int = 0
+    ) -> Work:
         """Queue one collective on the collective lane (``nbytes``: this rank's tensor, for messages)."""
         work = TcpWork(f"tcp {name} on {self._me}", self._work_timeout)
         tr = self._tr
@@ -239,8 +248,9 @@ class TcpBackend(Backend):
         src = _source(tensor)
         view = byte_view(src)
         self._p2p_seq[dst] += 1
-        header = pack_header(P2P, OP_CODES["send"], 0, dtype_code(src.dtype), tag, self._p2p_seq[dst], len(view),
-                             tuple(tensor.shape))
+        header = pack_header(
+            P2P, OP_CODES["send"], 0, dtype_code(src.dtype), tag, self._p2p_seq[dst], len(view), tuple(tensor.shape)
+        )
 
         def job() -> list:
             tr.send(dst, header, view)
@@ -279,10 +289,12 @@ class TcpBackend(Backend):
         def on_timeout(w: TcpWork) -> bool:
             if not tr.cancel_p2p(pr):
                 return False
-            w.set_exception(DistBackendTimeoutError(
-                f"tcp backend: {tr.me} timed out in recv from {where} (tag {tag}): nothing arrived "
-                f"(group timeout {timeout:g} s)"
-            ))
+            w.set_exception(
+                DistBackendTimeoutError(
+                    f"tcp backend: {tr.me} timed out in recv from {where} (tag {tag}): nothing arrived "
+                    f"(group timeout {timeout:g} s)"
+                )
+            )
             return True
 
         work._on_timeout = on_timeout
@@ -371,7 +383,7 @@ class TcpBackend(Backend):
         def body(c: algo.Coll) -> list:
             flat, back = _output(output)
             n = tensor.numel()
-            self._gather_ring(c, [flat[i * n:(i + 1) * n] for i in range(self.size)], tensor)
+            self._gather_ring(c, [flat[i * n : (i + 1) * n] for i in range(self.size)], tensor)
             if back is not None:
                 back.copy_(flat.view(back.shape))
             return [output]
@@ -423,14 +435,16 @@ class TcpBackend(Backend):
 
         return self._submit("scatter", tensor.dtype, None, body, tensor.nbytes)
 
-    def _reduce_scatter(self, c: algo.Coll, output: "torch.Tensor", work: "torch.Tensor", sizes: list,
-                        op: "Reduction") -> None:
+    def _reduce_scatter(
+        self, c: algo.Coll, output: "torch.Tensor", work: "torch.Tensor", sizes: list, op: "Reduction"
+    ) -> None:
         _prescale(work, op)
         chunks = list(work.split(sizes))
         p = self.size
         if p > 1:  # rotated so that rank r ends up holding chunk r
-            algo.ring(c, [chunks[(i - 1) % p] for i in range(p)], p - 1, p - 1, op,
-                      self._seg_elems(work.element_size()))
+            algo.ring(
+                c, [chunks[(i - 1) % p] for i in range(p)], p - 1, p - 1, op, self._seg_elems(work.element_size())
+            )
         result = chunks[self.rank]
         _finalize(result, op, p)
         out, back = _output(output)
@@ -540,8 +554,17 @@ class TcpBackend(Backend):
         return self._authenticated
 
 
-def create_backend(*, store: "Store", rank: int, world_size: int, timeout: Any, options: Optional[Mapping] = None,
-                   global_ranks: Optional[Sequence[int]] = None, secret: bytes = b"", **_ignored: Any) -> TcpBackend:
+def create_backend(
+    *,
+    store: "Store",
+    rank: int,
+    world_size: int,
+    timeout: Any,
+    options: Optional[Mapping] = None,
+    global_ranks: Optional[Sequence[int]] = None,
+    secret: bytes = b"",
+    **_ignored: Any,
+) -> TcpBackend:
     """The factory registered for ``tcp``: connect to the group's peers through ``store``;
     with a ``secret`` (the core derives it from the job's store token) every connection
     and the shared segment are authenticated with it."""
@@ -554,8 +577,14 @@ def create_backend(*, store: "Store", rank: int, world_size: int, timeout: Any, 
     timeout = timedelta(seconds=timeout_s)
     secret = bytes(secret or b"")
     if world_size == 1:
-        return TcpBackend(rank, world_size, timeout, Transport(rank, world_size, {}, timeout_s, global_ranks), options,
-                          authenticated=bool(secret))
+        return TcpBackend(
+            rank,
+            world_size,
+            timeout,
+            Transport(rank, world_size, {}, timeout_s, global_ranks),
+            options,
+            authenticated=bool(secret),
+        )
     mesh = connect_mesh(store, rank, world_size, timeout_s, options, secret)
     transport = Transport(rank, world_size, mesh.sockets, timeout_s, global_ranks)
     try:

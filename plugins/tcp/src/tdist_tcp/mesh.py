@@ -137,8 +137,17 @@ class _Acceptor(threading.Thread):
     oldest is dropped. A rank counts as connected only once it proved the group key.
     """
 
-    def __init__(self, listeners: list[socket.socket], rank: int, size: int, nonce: bytes, key: bytes,
-                 has_token: bool, deadline: float, tls: Optional[_tls.MeshTls] = None) -> None:
+    def __init__(
+        self,
+        listeners: list[socket.socket],
+        rank: int,
+        size: int,
+        nonce: bytes,
+        key: bytes,
+        has_token: bool,
+        deadline: float,
+        tls: Optional[_tls.MeshTls] = None,
+    ) -> None:
         super().__init__(name=f"tdist-tcp-accept-r{rank}", daemon=True)
         self.listeners = listeners
         self.tls = tls  # serves the TCP listener (listeners[0]) only
@@ -224,8 +233,13 @@ class _Acceptor(threading.Thread):
             if first[:1] != bytes([_tls.TLS_RECORD_TYPE]):
                 if first:
                     _tls.tell_tls_required(p.sock)
-                self._refuse(p, "a connection without TLS (this rank requires TLS: the ranks' TDIST_TLS_* "
-                                "variables or tls_* options differ)" if first else "a connection closed before TLS")
+                self._refuse(
+                    p,
+                    "a connection without TLS (this rank requires TLS: the ranks' TDIST_TLS_* "
+                    "variables or tls_* options differ)"
+                    if first
+                    else "a connection closed before TLS",
+                )
                 return False
             self._sel.unregister(p.sock)
             del self._pending[p.sock]
@@ -265,8 +279,11 @@ class _Acceptor(threading.Thread):
         """Step 2: answer a valid HELLO with ours and our proof."""
         hello = parse_hello(bytes(p.buf), self.nonce, self.size)
         if self.tls is None and p.buf[:1] == bytes([_tls.TLS_RECORD_TYPE]):
-            self._refuse(p, "a connection starting TLS (this rank has no TLS configured: the ranks' TDIST_TLS_* "
-                            "variables or tls_* options differ)")
+            self._refuse(
+                p,
+                "a connection starting TLS (this rank has no TLS configured: the ranks' TDIST_TLS_* "
+                "variables or tls_* options differ)",
+            )
             return
         if hello is None or hello.rank not in self._wanted or hello.rank in self.accepted:
             self._drop(p, None)
@@ -312,8 +329,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def _handshake(sock: socket.socket, nonce: bytes, key: bytes, has_token: bool, rank: int, size: int, peer: int,
-               deadline: float) -> bool:
+def _handshake(
+    sock: socket.socket, nonce: bytes, key: bytes, has_token: bool, rank: int, size: int, peer: int, deadline: float
+) -> bool:
     """Run the connector's side of the handshake with ``peer``: True once it accepted us,
     False if the other end is not ``peer`` of this group (retry later); raises
     :class:`_AuthFailed` if either side's proof fails."""
@@ -322,16 +340,19 @@ def _handshake(sock: socket.socket, nonce: bytes, key: bytes, has_token: bool, r
     sock.sendall(hello_c)
     reply = _recv_exact(sock, HELLO.size + MAC_SIZE)
     if reply.startswith(_tls.TLS_REQUIRED):
-        raise _tls.TlsRefused(f"rank {peer} requires TLS and this rank has none configured (the ranks' TDIST_TLS_* "
-                              "variables or tls_* options differ)")
-    hello = parse_hello(reply[:HELLO.size], nonce, size)
+        raise _tls.TlsRefused(
+            f"rank {peer} requires TLS and this rank has none configured (the ranks' TDIST_TLS_* "
+            "variables or tls_* options differ)"
+        )
+    hello = parse_hello(reply[: HELLO.size], nonce, size)
     if len(reply) != HELLO.size + MAC_SIZE or hello is None or hello.rank != peer:
         return False
-    hello_a = reply[:HELLO.size]
+    hello_a = reply[: HELLO.size]
     sock.sendall(mac(key, b"C", hello_c, hello_a))  # sent even if the peer's proof fails: it then knows why
-    if not hmac.compare_digest(reply[HELLO.size:], mac(key, b"A", hello_c, hello_a)):
-        raise _AuthFailed(f"rank {peer} did not prove it knows this group's key "
-                          f"({token_mismatch_hint(has_token, hello.flags)})")
+    if not hmac.compare_digest(reply[HELLO.size :], mac(key, b"A", hello_c, hello_a)):
+        raise _AuthFailed(
+            f"rank {peer} did not prove it knows this group's key ({token_mismatch_hint(has_token, hello.flags)})"
+        )
     verdict = _recv_exact(sock, 1)
     if verdict == REFUSED:
         raise _AuthFailed(f"rank {peer} refused this rank's proof ({token_mismatch_hint(has_token, hello.flags)})")
@@ -341,8 +362,9 @@ def _handshake(sock: socket.socket, nonce: bytes, key: bytes, has_token: bool, r
     return True
 
 
-def _connect_unix(store: Any, peer: int, rank: int, size: int, auth: "_Auth", deadline: float,
-                  buffer_bytes: int) -> Optional[socket.socket]:
+def _connect_unix(
+    store: Any, peer: int, rank: int, size: int, auth: "_Auth", deadline: float, buffer_bytes: int
+) -> Optional[socket.socket]:
     """A Unix-domain connection to ``peer`` if it published one and runs on this host
     (its abstract socket name exists only in its kernel's network namespace)."""
     try:
@@ -378,8 +400,17 @@ def _group_auth(store: Any, secret: bytes, timeout: float) -> _Auth:
     return _Auth(nonce, group_key(secret, nonce), bool(secret))
 
 
-def _connect_one(store: Any, peer: int, rank: int, size: int, secret: bytes, deadline: float, buffer_bytes: int,
-                 use_unix: bool, tls: Optional[_tls.MeshTls] = None) -> socket.socket:
+def _connect_one(
+    store: Any,
+    peer: int,
+    rank: int,
+    size: int,
+    secret: bytes,
+    deadline: float,
+    buffer_bytes: int,
+    use_unix: bool,
+    tls: Optional[_tls.MeshTls] = None,
+) -> socket.socket:
     """Connect to lower rank ``peer`` and handshake, retrying (re-reading the store, so a
     stale address or nonce is replaced by the fresh one) until ``deadline``. Same-host
     peers are reached through a Unix-domain socket when possible (several times TCP
@@ -418,8 +449,9 @@ def _connect_one(store: Any, peer: int, rank: int, size: int, secret: bytes, dea
         except _tls.TlsRefused as exc:
             if sock is not None:
                 sock.close()
-            raise DistNetworkError(f"tcp backend: rank {rank} cannot connect to rank {peer} at {addr} over TLS: "
-                                   f"{exc}") from None
+            raise DistNetworkError(
+                f"tcp backend: rank {rank} cannot connect to rank {peer} at {addr} over TLS: {exc}"
+            ) from None
         except _AuthFailed as exc:
             if sock is not None:
                 sock.close()
@@ -433,8 +465,9 @@ def _connect_one(store: Any, peer: int, rank: int, size: int, secret: bytes, dea
             if why is not None:  # e.g. the peer refused this rank's certificate (TLS 1.3 says so after the handshake)
                 if sock is not None:
                     sock.close()
-                raise DistNetworkError(f"tcp backend: rank {rank} cannot connect to rank {peer} at {addr} over TLS: "
-                                       f"{why}") from None
+                raise DistNetworkError(
+                    f"tcp backend: rank {rank} cannot connect to rank {peer} at {addr} over TLS: {why}"
+                ) from None
         if sock is not None:
             sock.close()
         time.sleep(0.05)
@@ -453,8 +486,9 @@ def _missing_ranks(store: Any, ranks: list[int]) -> tuple[list[int], list[int]]:
     return absent, present
 
 
-def _timeout_error(rank: int, timeout: float, store: Any, missing: list[int],
-                   refusals: Sequence[str] = ()) -> DistBackendTimeoutError:
+def _timeout_error(
+    rank: int, timeout: float, store: Any, missing: list[int], refusals: Sequence[str] = ()
+) -> DistBackendTimeoutError:
     absent, present = _missing_ranks(store, missing)
     parts = []
     if absent:
@@ -476,8 +510,9 @@ class Mesh(NamedTuple):
     key: bytes
 
 
-def connect_mesh(store: Any, rank: int, size: int, timeout: float, options: Mapping[str, Any],
-                 secret: bytes = b"") -> Mesh:
+def connect_mesh(
+    store: Any, rank: int, size: int, timeout: float, options: Mapping[str, Any], secret: bytes = b""
+) -> Mesh:
     """Open one authenticated connection to every other rank of the group, within
     ``timeout`` seconds; ``secret`` is the factory's (empty: no authentication)."""
     deadline = time.monotonic() + timeout
@@ -521,14 +556,12 @@ def connect_mesh(store: Any, rank: int, size: int, timeout: float, options: Mapp
                 listeners.append(unix_listener)
                 store.set(UNIX_KEY.format(rank), unix_name)
         if rank < size - 1:
-            acceptor = _Acceptor(listeners, rank, size, nonce, group_key(secret, nonce), bool(secret), deadline,
-                                 tls)
+            acceptor = _Acceptor(listeners, rank, size, nonce, group_key(secret, nonce), bool(secret), deadline, tls)
             acceptor.start()
         store.set(ADDR_KEY.format(rank), _format_addr(host, bound_port))
         for peer in range(rank):
             try:
-                connected[peer] = _connect_one(store, peer, rank, size, secret, deadline, buffer_bytes, use_unix,
-                                               tls)
+                connected[peer] = _connect_one(store, peer, rank, size, secret, deadline, buffer_bytes, use_unix, tls)
             except DistStoreTimeoutError:
                 raise _timeout_error(rank, timeout, store, [p for p in range(rank) if p not in connected]) from None
         if acceptor is not None:

@@ -12,8 +12,10 @@ from tdist.plugin import ANY_SOURCE_OP, OPERATIONS, BackendSpec, hookimpl
 
 TDIST_HOOKSPEC_VERSION = "1.0"
 
-DESCRIPTION = ("pure-Python collectives and point-to-point over TCP sockets, collectives through shared memory "
-               "between ranks on one host (CPU tensors, every dtype)")
+DESCRIPTION = (
+    "pure-Python collectives and point-to-point over TCP sockets, collectives through shared memory "
+    "between ranks on one host (CPU tensors, every dtype)"
+)
 
 
 def create_tcp_backend(**kwargs: Any) -> Any:
@@ -32,8 +34,23 @@ def tdist_register_backends(registry: Any) -> None:
             factory=create_tcp_backend,
             operations={"cpu": frozenset(OPERATIONS) | {ANY_SOURCE_OP}},
             description=DESCRIPTION,
-            extra={"options": ("host", "ifname", "port", "socket_buffer", "unix", "ring_threshold",
-                               "segment_bytes", "grace", "linger", "shm", "shm_slot_bytes", "shm_direct_bytes",
-                               "shm_block_bytes", "shm_spin_us")},
+            extra={
+                "options": (
+                    "host",
+                    "ifname",
+                    "port",
+                    "socket_buffer",
+                    "unix",
+                    "ring_threshold",
+                    "segment_bytes",
+                    "grace",
+                    "linger",
+                    "shm",
+                    "shm_slot_bytes",
+                    "shm_direct_bytes",
+                    "shm_block_bytes",
+                    "shm_spin_us",
+                )
+            },
         )
     )

@@ -62,8 +62,8 @@ def create(total: int, size: int, slot: int, nonce: bytes, key: bytes) -> tuple[
         os.close(fd)
         raise
     header = _HEADER.pack(_MAGIC, nonce, size, 0, slot)
-    mm[:_HEADER.size] = header
-    mm[_HEADER.size:_HEADER.size + MAC_SIZE] = _proof(key, header, name)
+    mm[: _HEADER.size] = header
+    mm[_HEADER.size : _HEADER.size + MAC_SIZE] = _proof(key, header, name)
     return name, fd, mm
 
 
@@ -111,10 +111,11 @@ def attach(where: str, total: int, size: int, slot: int, nonce: bytes, key: byte
         return None
     finally:
         os.close(fd)
-    header = bytes(mm[:_HEADER.size])
-    proof = bytes(mm[_HEADER.size:_HEADER.size + MAC_SIZE])
-    if header != _HEADER.pack(_MAGIC, nonce, size, 0, slot) or not hmac.compare_digest(proof,
-                                                                                       _proof(key, header, name)):
+    header = bytes(mm[: _HEADER.size])
+    proof = bytes(mm[_HEADER.size : _HEADER.size + MAC_SIZE])
+    if header != _HEADER.pack(_MAGIC, nonce, size, 0, slot) or not hmac.compare_digest(
+        proof, _proof(key, header, name)
+    ):
         mm.close()
         return None
     return mm

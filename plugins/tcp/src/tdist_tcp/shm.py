@@ -107,8 +107,15 @@ def _libc_syscall() -> Any:
     if _syscall is None:
         fn = ctypes.CDLL(None, use_errno=True).syscall
         fn.restype = ctypes.c_long
-        fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int]
+        fn.argtypes = [
+            ctypes.c_long,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_uint32,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
         _syscall = fn
     return _syscall
 
@@ -146,10 +153,19 @@ def _np_dtype(dtype: "torch.dtype") -> Any:
     if _NP_DTYPES is None:
         import torch
 
-        table = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-                 torch.complex64: np.complex64, torch.complex128: np.complex128, torch.int8: np.int8,
-                 torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
-                 torch.bool: np.bool_}
+        table = {
+            torch.float32: np.float32,
+            torch.float64: np.float64,
+            torch.float16: np.float16,
+            torch.complex64: np.complex64,
+            torch.complex128: np.complex128,
+            torch.int8: np.int8,
+            torch.uint8: np.uint8,
+            torch.int16: np.int16,
+            torch.int32: np.int32,
+            torch.int64: np.int64,
+            torch.bool: np.bool_,
+        }
         for name, npt in (("uint16", np.uint16), ("uint32", np.uint32), ("uint64", np.uint64)):
             if isinstance(getattr(torch, name, None), torch.dtype):
                 table[getattr(torch, name)] = npt
@@ -157,10 +173,25 @@ def _np_dtype(dtype: "torch.dtype") -> Any:
     return _NP_DTYPES.get(dtype)
 
 
-_UFUNCS = {"SUM": np.add, "AVG": np.add, "PREMUL_SUM": np.add, "PRODUCT": np.multiply, "MIN": np.minimum,
-           "MAX": np.maximum, "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}
-_UFUNCS_BOOL = {**_UFUNCS, "SUM": np.logical_or, "AVG": np.logical_or, "MAX": np.logical_or,
-                "PRODUCT": np.logical_and, "MIN": np.logical_and}
+_UFUNCS = {
+    "SUM": np.add,
+    "AVG": np.add,
+    "PREMUL_SUM": np.add,
+    "PRODUCT": np.multiply,
+    "MIN": np.minimum,
+    "MAX": np.maximum,
+    "BAND": np.bitwise_and,
+    "BOR": np.bitwise_or,
+    "BXOR": np.bitwise_xor,
+}
+_UFUNCS_BOOL = {
+    **_UFUNCS,
+    "SUM": np.logical_or,
+    "AVG": np.logical_or,
+    "MAX": np.logical_or,
+    "PRODUCT": np.logical_and,
+    "MIN": np.logical_and,
+}
 
 
 class _Kernel:
@@ -184,8 +215,8 @@ class _Kernel:
 
     def shm(self, off: int, count: int) -> Any:
         if self.npdt is not None:
-            return self.eng.u8[off:off + count * self.es].view(self.npdt)
-        return self.eng.t8()[off:off + count * self.es].view(self.dtype)
+            return self.eng.u8[off : off + count * self.es].view(self.npdt)
+        return self.eng.t8()[off : off + count * self.es].view(self.dtype)
 
     def ten(self, flat: "torch.Tensor", a: int, b: int) -> Any:
         piece = flat[a:b]
@@ -234,8 +265,16 @@ def _set_pid(mm: mmap.mmap, size: int, slot: int, rank: int) -> None:
     struct.pack_into("<I", mm, _layout(size, slot)[0] + rank * _CTRL + 4 * _PID, os.getpid() & _MASK)
 
 
-def open_shm(store: Any, rank: int, size: int, timeout: float, options: Mapping[str, Any],
-             transport: "Transport", nonce: bytes, key: bytes) -> Optional["ShmEngine"]:
+def open_shm(
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: float,
+    options: Mapping[str, Any],
+    transport: "Transport",
+    nonce: bytes,
+    key: bytes,
+) -> Optional["ShmEngine"]:
     """Set up (or decline, on every rank alike) the group's shared segment.
 
     Keys live under the group's connection nonce, so a re-created group never reads
@@ -299,8 +338,16 @@ def open_shm(store: Any, rank: int, size: int, timeout: float, options: Mapping[
 class ShmEngine:
     """One group's collectives over its shared segment (one collective at a time)."""
 
-    def __init__(self, mm: mmap.mmap, rank: int, size: int, slot: int, transport: "Transport",
-                 options: Mapping[str, Any], direct_bytes: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        mm: mmap.mmap,
+        rank: int,
+        size: int,
+        slot: int,
+        transport: "Transport",
+        options: Mapping[str, Any],
+        direct_bytes: Optional[int] = None,
+    ) -> None:
         self.mm = mm
         self.r, self.p = rank, size
         self.S = slot
@@ -362,8 +409,7 @@ class ShmEngine:
         if v is None:
             if len(self._views) > 256:
                 self._views.clear()
-            v = self._views[key] = [self.u8[o:o + nbytes].view(npdt) for o in
-                                    (self.off(q, b) for q in range(self.p))]
+            v = self._views[key] = [self.u8[o : o + nbytes].view(npdt) for o in (self.off(q, b) for q in range(self.p))]
         return v
 
     def off(self, q: int, b: int) -> int:
@@ -560,11 +606,13 @@ class ShmEngine:
             # in cache-sized blocks, each copied to my tensor while it is still in the cache
             for s0 in range(lo, hi, block):
                 s1 = min(s0 + block, hi)
-                ins = [K.ten(flat, a + s0, a + s1) if q == r else K.shm(self.off(q, b) + s0 * es, s1 - s0)
-                       for q in range(p)]
+                ins = [
+                    K.ten(flat, a + s0, a + s1) if q == r else K.shm(self.off(q, b) + s0 * es, s1 - s0)
+                    for q in range(p)
+                ]
                 K.reduce(K.shm(mine + s0 * es, s1 - s0), ins)
                 if avg:
-                    self._finalize(self.t8()[mine + s0 * es:mine + s1 * es].view(flat.dtype), op)
+                    self._finalize(self.t8()[mine + s0 * es : mine + s1 * es].view(flat.dtype), op)
                 if keep:
                     _memmove(at + s0 * es, self.base + mine + s0 * es, (s1 - s0) * es)
             self._step(c)
@@ -599,8 +647,9 @@ class ShmEngine:
             if a >= nb:
                 return
 
-    def gather_blocks(self, c: "Coll", src: "torch.Tensor", outs: Optional[Sequence["torch.Tensor"]],
-                      root: Optional[int]) -> None:
+    def gather_blocks(
+        self, c: "Coll", src: "torch.Tensor", outs: Optional[Sequence["torch.Tensor"]], root: Optional[int]
+    ) -> None:
         """all_gather (``root`` None) or gather: ``outs[q]`` receives rank q's ``src``."""
         nb = src.numel() * src.element_size()
         desc = self._put_desc(c, nb, root or 0)
@@ -678,7 +727,7 @@ class ShmEngine:
                 for d in self._peers:
                     _memmove(self.base + mine + d * blk, ins[d].data_ptr() + a * es, m * es)
                     if premul:
-                        t = self.t8()[mine + d * blk:mine + d * blk + m * es].view(out.dtype)
+                        t = self.t8()[mine + d * blk : mine + d * blk + m * es].view(out.dtype)
                         serially(lambda piece: prescale_(piece, op), t)
             self._step(c, desc if a == 0 else None)
             if m:  # own contribution first: ``out`` may be a view of it (in-place reduce_scatter)

@@ -43,8 +43,7 @@ class TlsRefused(Exception):
 def mesh_tls(options: Mapping[str, Any], where: str) -> Optional["MeshTls"]:
     """The mesh's TLS from ``options`` (``tls_*`` keys), else the ``TDIST_TLS_*`` variables; None: off."""
     given = {k: options.get("tls_" + k) for k in _OPTION_KEYS}
-    config = TlsConfig.from_mapping(given) if any(v not in (None, "") for v in given.values()) \
-        else TlsConfig.from_env()
+    config = TlsConfig.from_mapping(given) if any(v not in (None, "") for v in given.values()) else TlsConfig.from_env()
     return None if config is None else MeshTls(config, where)
 
 
@@ -63,8 +62,9 @@ class MeshTls:
         try:
             return self.client.wrap_socket(sock, server_hostname=host)
         except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as exc:
-            raise ConnectionError(f"TLS handshake: the peer closed the connection ({exc}); a peer without TLS "
-                                  "does this") from None
+            raise ConnectionError(
+                f"TLS handshake: the peer closed the connection ({exc}); a peer without TLS does this"
+            ) from None
         except ssl.SSLError as exc:
             raise TlsRefused(describe_ssl_error(exc)) from None
 

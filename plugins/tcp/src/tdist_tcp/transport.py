@@ -64,11 +64,19 @@ class PostedRecv:
     """A receive waiting for one frame. Collective receives complete by releasing
     ``done``; P2P receives call ``callback(self)`` instead."""
 
-    __slots__ = ("src", "dest", "nbytes", "op", "redop", "seq", "dtype", "tag", "done", "error", "source",
-                 "callback")
+    __slots__ = ("src", "dest", "nbytes", "op", "redop", "seq", "dtype", "tag", "done", "error", "source", "callback")
 
-    def __init__(self, src: Optional[int], dest: memoryview, op: int, redop: int, seq: int, dtype: int,
-                 tag: int = 0, callback: Optional[Callable[["PostedRecv"], None]] = None) -> None:
+    def __init__(
+        self,
+        src: Optional[int],
+        dest: memoryview,
+        op: int,
+        redop: int,
+        seq: int,
+        dtype: int,
+        tag: int = 0,
+        callback: Optional[Callable[["PostedRecv"], None]] = None,
+    ) -> None:
         self.src = src
         self.dest = dest
         self.nbytes = len(dest)
@@ -100,8 +108,9 @@ class _Stashed:
 
     __slots__ = ("op", "redop", "seq", "dtype", "tag", "nbytes", "shape", "data", "ready", "error", "arrival")
 
-    def __init__(self, op: int, redop: int, seq: int, dtype: int, tag: int, nbytes: int, shape: tuple,
-                 arrival: int) -> None:
+    def __init__(
+        self, op: int, redop: int, seq: int, dtype: int, tag: int, nbytes: int, shape: tuple, arrival: int
+    ) -> None:
         self.op, self.redop, self.seq, self.dtype, self.tag = op, redop, seq, dtype, tag
         self.nbytes = nbytes
         self.shape = shape
@@ -117,8 +126,18 @@ class _Stashed:
 
 
 class _Peer:
-    __slots__ = ("rank", "sock", "send_lock", "coll_posted", "coll_stash", "p2p_stash", "closed", "said_bye",
-                 "reader", "label")
+    __slots__ = (
+        "rank",
+        "sock",
+        "send_lock",
+        "coll_posted",
+        "coll_stash",
+        "p2p_stash",
+        "closed",
+        "said_bye",
+        "reader",
+        "label",
+    )
 
     def __init__(self, rank: int, sock: socket.socket, label: str) -> None:
         self.rank = rank
@@ -161,8 +180,14 @@ def _timeout_error(message: str, missing: Sequence[int]) -> DistBackendTimeoutEr
 class Transport:
     """The sockets to every peer of one group and the matching of frames to receives."""
 
-    def __init__(self, rank: int, size: int, sockets: dict[int, socket.socket], timeout: float,
-                 global_ranks: Optional[Sequence[int]] = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        sockets: dict[int, socket.socket],
+        timeout: float,
+        global_ranks: Optional[Sequence[int]] = None,
+    ) -> None:
         self.rank = rank
         self.size = size
         self.timeout = timeout
@@ -235,8 +260,11 @@ class Transport:
                     except (BlockingIOError, InterruptedError):
                         sent = 0
                     if sent < len(header) + n:
-                        self._push(sock, memoryview(header)[sent:] if sent < len(header) else b"",
-                                   payload[max(0, sent - len(header)):])
+                        self._push(
+                            sock,
+                            memoryview(header)[sent:] if sent < len(header) else b"",
+                            payload[max(0, sent - len(header)) :],
+                        )
         except OSError as exc:
             raise self._send_failed(peer, exc, coll) from None
 
@@ -278,11 +306,15 @@ class Transport:
                 if peer.closed is None:
                     peer.closed = f"tcp backend: {peer.label} stopped reading its connection from {self.me}"
             if coll is not None:
-                err: DistBackendError = self.collective_timeout(coll, peer.rank,
-                                                                f"sending to {peer.label}, which stopped reading")
+                err: DistBackendError = self.collective_timeout(
+                    coll, peer.rank, f"sending to {peer.label}, which stopped reading"
+                )
             else:
-                err = _timeout_error(f"tcp backend: {self.me} timed out after {self.timeout:g} s sending to "
-                                     f"{peer.label} (it stopped reading its connection)", [peer.rank])
+                err = _timeout_error(
+                    f"tcp backend: {self.me} timed out after {self.timeout:g} s sending to "
+                    f"{peer.label} (it stopped reading its connection)",
+                    [peer.rank],
+                )
         else:
             err = DistBackendError(
                 f"tcp backend: {self.me} lost its connection to {peer.label} while sending "
@@ -292,8 +324,9 @@ class Transport:
         return err
 
     # ------------------------------------------------------------ collectives
-    def post_coll(self, src: int, dest: memoryview, op: int, redop: int, seq: int, dtype: int,
-                  deadline: float, part: int = 0) -> PostedRecv:
+    def post_coll(
+        self, src: int, dest: memoryview, op: int, redop: int, seq: int, dtype: int, deadline: float, part: int = 0
+    ) -> PostedRecv:
         """Post the receive of the next collective frame from ``src`` into ``dest``; the
         frame must be ``part`` (the algorithm's step/segment number) of that collective."""
         pr = PostedRecv(src, dest, op, redop, seq, dtype, part)
@@ -310,10 +343,17 @@ class Transport:
                 peer.coll_posted.append(pr)
                 return pr
         self._take_stashed(pr, stashed, peer, deadline)
-        if stashed.op != op or stashed.redop != redop or stashed.seq != seq or stashed.dtype != dtype \
-                or stashed.nbytes != pr.nbytes or stashed.tag != part:
-            err = self._mismatch(pr, peer, stashed.op, stashed.redop, stashed.seq, stashed.dtype, stashed.nbytes,
-                                 stashed.tag)
+        if (
+            stashed.op != op
+            or stashed.redop != redop
+            or stashed.seq != seq
+            or stashed.dtype != dtype
+            or stashed.nbytes != pr.nbytes
+            or stashed.tag != part
+        ):
+            err = self._mismatch(
+                pr, peer, stashed.op, stashed.redop, stashed.seq, stashed.dtype, stashed.nbytes, stashed.tag
+            )
             self.fail(err)
             raise err
         if pr.nbytes:
@@ -345,8 +385,9 @@ class Transport:
         raise FrameTimeout(peer.rank, pr.op, pr.nbytes, pr.tag)
 
     # --------------------------------------------------------------- timeouts
-    def collective_timeout(self, c: "Coll", waited_for: int, detail: str = "",
-                           via: str = "") -> DistBackendTimeoutError:
+    def collective_timeout(
+        self, c: "Coll", waited_for: int, detail: str = "", via: str = ""
+    ) -> DistBackendTimeoutError:
         """The error of collective ``c`` that timed out on ``waited_for`` (``detail``: how),
         naming the ranks that did not arrive at it (asked with :meth:`probe`)."""
         missing, silent = self.probe(c.seq, min(2.0, max(0.5, self.timeout / 2)))
@@ -394,8 +435,9 @@ class Transport:
                 self._probe_replies[peer.rank] = issued
                 self._probe_cv.notify_all()
 
-    def _mismatch(self, pr: PostedRecv, peer: _Peer, op: int, redop: int, seq: int, dtype: int,
-                  nbytes: int, part: int) -> DistBackendError:
+    def _mismatch(
+        self, pr: PostedRecv, peer: _Peer, op: int, redop: int, seq: int, dtype: int, nbytes: int, part: int
+    ) -> DistBackendError:
         return DistBackendError(
             f"tcp backend: {self.me} expected {describe(pr.op, pr.redop, pr.seq, pr.dtype, pr.nbytes, part=pr.tag)} "
             f"from {peer.label} but got {describe(op, redop, seq, dtype, nbytes, part=part)} (the ranks called "
@@ -403,8 +445,9 @@ class Transport:
         )
 
     # ------------------------------------------------------------------ p2p
-    def post_p2p(self, src: Optional[int], tag: int, dtype: int, dest: memoryview,
-                 callback: Callable[[PostedRecv], None]) -> PostedRecv:
+    def post_p2p(
+        self, src: Optional[int], tag: int, dtype: int, dest: memoryview, callback: Callable[[PostedRecv], None]
+    ) -> PostedRecv:
         """Post a P2P receive (``src`` None: any source); ``callback`` runs on completion."""
         pr = PostedRecv(src, dest, 0, 0, 0, dtype, tag, callback)
         with self._lock:
@@ -443,9 +486,14 @@ class Transport:
             pr.finish(exc)
             return pr
         except FrameTimeout as exc:
-            pr.finish(_timeout_error(f"tcp backend: {self.me} timed out after {self.timeout:g} s receiving "
-                                     f"a p2p message (tag {pr.tag}) from {peer.label}: {exc.frame} stopped "
-                                     "arriving", [peer.rank]))
+            pr.finish(
+                _timeout_error(
+                    f"tcp backend: {self.me} timed out after {self.timeout:g} s receiving "
+                    f"a p2p message (tag {pr.tag}) from {peer.label}: {exc.frame} stopped "
+                    "arriving",
+                    [peer.rank],
+                )
+            )
             return pr
         pr.source = peer.rank
         if stashed.dtype != dtype or stashed.nbytes != pr.nbytes:
@@ -517,7 +565,7 @@ class Transport:
                     # payload: first what the buffer holds, then straight from the socket
                     take = min(end - start, nbytes)
                     if target is not None:
-                        target[:take] = mv[start:start + take]
+                        target[:take] = mv[start : start + take]
                     start += take
                     got = take
                     while got < nbytes:
@@ -561,8 +609,9 @@ class Transport:
             current.finish(err)
         self._peer_gone(peer, err, crashed=problem is not None and not self._closing)
 
-    def _on_coll(self, peer: _Peer, op: int, redop: int, seq: int, dtype: int, nbytes: int,
-                 shape: tuple, part: int) -> tuple[Optional[memoryview], Any]:
+    def _on_coll(
+        self, peer: _Peer, op: int, redop: int, seq: int, dtype: int, nbytes: int, shape: tuple, part: int
+    ) -> tuple[Optional[memoryview], Any]:
         with self._lock:
             if self.broken is not None:
                 return None, None
@@ -572,16 +621,23 @@ class Transport:
                 peer.coll_stash.append(stashed)
                 return memoryview(stashed.data), stashed
             pr = peer.coll_posted.popleft()
-        if pr.op != op or pr.redop != redop or pr.seq != seq or pr.dtype != dtype or pr.nbytes != nbytes \
-                or pr.tag != part:
+        if (
+            pr.op != op
+            or pr.redop != redop
+            or pr.seq != seq
+            or pr.dtype != dtype
+            or pr.nbytes != nbytes
+            or pr.tag != part
+        ):
             err = self._mismatch(pr, peer, op, redop, seq, dtype, nbytes, part)
             pr.finish(err)
             self.fail(err)
             return None, None
         return pr.dest, pr
 
-    def _on_p2p(self, peer: _Peer, tag: int, dtype: int, seq: int, nbytes: int,
-                shape: tuple) -> tuple[Optional[memoryview], Any]:
+    def _on_p2p(
+        self, peer: _Peer, tag: int, dtype: int, seq: int, nbytes: int, shape: tuple
+    ) -> tuple[Optional[memoryview], Any]:
         with self._lock:
             if self.broken is not None:
                 return None, None
@@ -640,8 +696,13 @@ class Transport:
             self._notify_break()
         if tell:
             reason = getattr(err, "abort_reason", None) or str(err)  # relay the origin's words, not nested
-            payload = json.dumps({"reason": reason[:4000], "timeout": isinstance(err, DistBackendTimeoutError),
-                                  "missing": list(getattr(err, "missing_ranks", []))}).encode()
+            payload = json.dumps(
+                {
+                    "reason": reason[:4000],
+                    "timeout": isinstance(err, DistBackendTimeoutError),
+                    "missing": list(getattr(err, "missing_ranks", [])),
+                }
+            ).encode()
             helper = threading.Thread(target=self._send_aborts, args=(payload,), name="tdist-tcp-abort", daemon=True)
             self._helpers.append(helper)
             helper.start()
@@ -658,7 +719,8 @@ class Transport:
             reason, missing, timed_out = payload.decode("utf-8", "replace"), [], False
         if timed_out:
             err: DistBackendError = _timeout_error(
-                f"tcp backend: {peer.label} aborted {self.me}'s group after a timeout: {reason}", missing)
+                f"tcp backend: {peer.label} aborted {self.me}'s group after a timeout: {reason}", missing
+            )
         else:
             err = DistBackendError(f"tcp backend: {peer.label} aborted the group: {reason}")
         err.abort_reason = reason  # type: ignore[attr-defined]
@@ -742,7 +804,7 @@ def _send_control(peer: _Peer, frame: bytes, limit: float) -> bool:
         view = memoryview(frame)
         while view:
             try:
-                view = view[peer.sock.send(view, socket.MSG_DONTWAIT):]
+                view = view[peer.sock.send(view, socket.MSG_DONTWAIT) :]
             except (BlockingIOError, InterruptedError):
                 if time.monotonic() > deadline:
                     return False

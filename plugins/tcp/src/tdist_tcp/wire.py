@@ -19,10 +19,30 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "FRAME_MAGIC", "HEADER", "HELLO_MAGIC", "PROTOCOL_VERSION",
-    "COLL", "P2P", "ABORT", "BYE", "PROBE", "STATE", "KIND_NAMES",
-    "OP_NAMES", "OP_CODES", "OP_ACK", "PART_FOLD", "PART_UNFOLD", "REDOP_NAMES", "redop_code",
-    "dtype_code", "dtype_name", "pack_header", "byte_view", "describe", "part_name",
+    "FRAME_MAGIC",
+    "HEADER",
+    "HELLO_MAGIC",
+    "PROTOCOL_VERSION",
+    "COLL",
+    "P2P",
+    "ABORT",
+    "BYE",
+    "PROBE",
+    "STATE",
+    "KIND_NAMES",
+    "OP_NAMES",
+    "OP_CODES",
+    "OP_ACK",
+    "PART_FOLD",
+    "PART_UNFOLD",
+    "REDOP_NAMES",
+    "redop_code",
+    "dtype_code",
+    "dtype_name",
+    "pack_header",
+    "byte_view",
+    "describe",
+    "part_name",
 ]
 
 PROTOCOL_VERSION = 2  # 2: mutually authenticated handshake (tdist_tcp.auth)
@@ -39,9 +59,21 @@ COLL, P2P, ABORT, BYE, PROBE, STATE = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {COLL: "collective", P2P: "p2p", ABORT: "abort", BYE: "bye", PROBE: "probe", STATE: "state"}
 
 OP_NAMES = (
-    "?", "send", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
-    "reduce_scatter", "all_to_all", "barrier", "all_gather_into_tensor", "reduce_scatter_tensor",
-    "all_to_all_single", "ack",
+    "?",
+    "send",
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "barrier",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "ack",
 )
 OP_CODES = {name: code for code, name in enumerate(OP_NAMES)}
 #: the empty frame a receiver returns to a rank that would otherwise only send
@@ -72,10 +104,33 @@ def redop_code(reduction: Any) -> int:
 # Every torch dtype the wire knows by name; unknown ones travel as code 255 (bytes
 # still move, but a mismatch between two unknown dtypes cannot be detected).
 _DTYPE_NAMES = (
-    "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "complex32",
-    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "complex64",
+    "complex128",
+    "complex32",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "bits8",
+    "bits16",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
 )
 _dtype_codes: Optional[dict] = None
 _dtype_by_code: dict[int, str] = {0: "-", 255: "unknown dtype"}
@@ -107,8 +162,9 @@ def dtype_name(code: int) -> str:
     return _dtype_by_code.get(code, f"dtype#{code}")
 
 
-def pack_header(kind: int, op: int, redop: int, dtype: int, tag: int, seq: int, nbytes: int,
-                shape: tuple = ()) -> bytes:
+def pack_header(
+    kind: int, op: int, redop: int, dtype: int, tag: int, seq: int, nbytes: int, shape: tuple = ()
+) -> bytes:
     """One frame header; ``shape`` is informational (receivers check sizes, not shapes)."""
     ndim = len(shape)
     if ndim > 64:  # keep frames small; only the element count matters
@@ -149,8 +205,9 @@ def part_name(part: int) -> str:
     return f"step {part >> 32} part {part & 0xFFFFFFFF}"
 
 
-def describe(op: int, redop: int, seq: int, dtype: int, nbytes: int, kind: int = COLL, tag: int = 0,
-             part: int = 0) -> str:
+def describe(
+    op: int, redop: int, seq: int, dtype: int, nbytes: int, kind: int = COLL, tag: int = 0, part: int = 0
+) -> str:
     """Human-readable frame identity, e.g. ``all_reduce(SUM)#7 float32 x 16 bytes``
     (``all_reduce(SUM)#7[1.3] ...`` for part 3 of step 1 of an algorithm)."""
     if kind == P2P:

@@ -1,4 +1,5 @@
 """torch's utilities (DDP, FSDP2, DCP, ZeRO, Join, SyncBatchNorm, ...) over the backend's groups."""
+
 from tdist.testing import collect
 
 collect(globals(), suite="torch")
