@@ -126,3 +126,48 @@ def test_a_raising_work_hook_observer_is_isolated(caplog):
     assert torch.equal(t, torch.ones(3))
     raised = [r for r in caplog.records if r.exc_info and "observer bug" in str(r.exc_info[1])]
     assert len(raised) == 4, caplog.text
+
+
+def test_a_blocking_call_goes_through_run_blocking_after_the_queued_async_ones():
+    from tdist._groups import resolve_group
+
+    tdist.init_process_group("tcp", store=tdist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=10))
+    try:
+        backend = resolve_group(None).backend_for("cpu", "all_reduce")  # type: ignore[union-attr]
+        seen: list[object] = []
+        original = backend.run_blocking
+
+        def spy(call, timeout):
+            seen.append(timeout)
+            original(call, timeout)
+
+        backend.run_blocking = spy  # type: ignore[method-assign]
+        import torch
+
+        queued = tdist.all_reduce(torch.ones(3), async_op=True)  # not through run_blocking
+        assert seen == []
+        out = torch.ones(2, 3).t()  # non-contiguous: staged, written back after the blocking run
+        tdist.all_reduce(out)
+        assert seen == [None]
+        assert queued.is_completed()  # it was queued first, so it ran first
+        assert torch.equal(out, torch.ones(3, 2))
+        tdist.barrier()
+        assert seen == [None, None]
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_the_default_run_blocking_waits_and_refuses_a_non_work():
+    from tdist.plugin import Backend, DistError
+
+    class _Stub:  # stands for a backend that does not override run_blocking
+        name = "stub"
+
+    done = Work.completed("all_reduce")
+    Backend.run_blocking(_Stub(), lambda b: done, None)  # type: ignore[arg-type]
+    failed = Work("all_reduce")
+    failed.set_exception(RuntimeError("peer lost"))
+    with pytest.raises(RuntimeError, match="peer lost"):
+        Backend.run_blocking(_Stub(), lambda b: failed, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(DistError, match="not a tdist.Work"):
+        Backend.run_blocking(_Stub(), lambda b: 42, None)  # type: ignore[arg-type]

@@ -16,8 +16,9 @@ import abc
 import difflib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence
 
+from ._errors import DistError
 from ._reduce_op import ReduceOp, Reduction
 from ._work import Work
 from .reduction import combine_, prescaled
@@ -328,6 +329,22 @@ class Backend(abc.ABC):
             for k, t in enumerate(out):
                 t.copy_(gathered[k].view(t.shape))
         return Work.completed("all_gather_multigpu")
+
+    # ------------------------------------------------------ optional: blocking calls
+    def run_blocking(self, call: Callable[["Backend"], Work], timeout: Optional[float]) -> None:
+        """Run one operation for a caller that waits for it (``async_op=False``).
+
+        ``call(self)`` issues one of this backend's operations and returns its Work.
+        Return once the operation is done; raise its error (a
+        :class:`DistBackendTimeoutError` once ``timeout`` seconds have passed; None: the
+        Work's default timeout). The default does exactly ``call(self).wait(timeout)``. A
+        backend may override it to run the operation in the calling thread without
+        building a Work, as long as operations issued earlier still run first.
+        """
+        work = call(self)
+        if not isinstance(work, Work):
+            raise DistError(f"backend {self.name!r} returned {type(work).__name__}, not a tdist.Work")
+        work.wait(timeout)
 
     def shutdown(self) -> None:
         """Release connections and threads. Called once by ``destroy_process_group``."""

@@ -13,7 +13,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ._dispatch import contiguous_view, device_of, issue
+from ._dispatch import contiguous_view, device_of, device_type, issue
 from ._errors import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError
 from ._groups import resolve_group, warn_not_member
 from ._observe import rejected
@@ -69,7 +69,7 @@ def broadcast(
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
     return issue(
-        pg, "broadcast", tensor.device.type, lambda b: b.broadcast(t, root), async_op, copies, (tensor,), root=root
+        pg, "broadcast", device_type(tensor), lambda b: b.broadcast(t, root), async_op, copies, (tensor,), root=root
     )
 
 
@@ -90,7 +90,7 @@ def all_reduce(
     return issue(
         pg,
         "all_reduce",
-        tensor.device.type,
+        device_type(tensor),
         lambda b: b.all_reduce(t, reduction),
         async_op,
         copies,
@@ -122,7 +122,7 @@ def reduce(
     return issue(
         pg,
         "reduce",
-        tensor.device.type,
+        device_type(tensor),
         lambda b: b.reduce(t, root, reduction),
         async_op,
         copies,
@@ -146,7 +146,7 @@ def all_gather(
     copies: list = []
     staged = [contiguous_view(t, copies, output=True) for t in outputs]
     t = contiguous_view(tensor, None, output=False)
-    return issue(pg, "all_gather", tensor.device.type, lambda b: b.all_gather(staged, t), async_op, copies, (tensor,))
+    return issue(pg, "all_gather", device_type(tensor), lambda b: b.all_gather(staged, t), async_op, copies, (tensor,))
 
 
 @rejected("all_gather_into_tensor")
@@ -168,7 +168,7 @@ def all_gather_into_tensor(
     return issue(
         pg,
         "all_gather_into_tensor",
-        input_tensor.device.type,
+        device_type(input_tensor),
         lambda b: b.all_gather_into_tensor(out, inp),
         async_op,
         copies,
@@ -204,7 +204,7 @@ def gather(
         )
     t = contiguous_view(tensor, None, output=False)
     return issue(
-        pg, "gather", tensor.device.type, lambda b: b.gather(t, staged, root), async_op, copies, (tensor,), root=root
+        pg, "gather", device_type(tensor), lambda b: b.gather(t, staged, root), async_op, copies, (tensor,), root=root
     )
 
 
@@ -233,7 +233,7 @@ def scatter(
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
     return issue(
-        pg, "scatter", tensor.device.type, lambda b: b.scatter(t, inputs, root), async_op, copies, (tensor,), root=root
+        pg, "scatter", device_type(tensor), lambda b: b.scatter(t, inputs, root), async_op, copies, (tensor,), root=root
     )
 
 
@@ -260,7 +260,7 @@ def reduce_scatter(
     return issue(
         pg,
         "reduce_scatter",
-        output.device.type,
+        device_type(output),
         lambda b: b.reduce_scatter(out, staged, reduction),
         async_op,
         copies,
@@ -290,7 +290,7 @@ def reduce_scatter_tensor(
     return issue(
         pg,
         "reduce_scatter_tensor",
-        output.device.type,
+        device_type(output),
         lambda b: b.reduce_scatter_tensor(out, inp, reduction),
         async_op,
         copies,
@@ -348,7 +348,7 @@ def all_to_all_single(
     return issue(
         pg,
         "all_to_all_single",
-        input.device.type,
+        device_type(input),
         lambda b: b.all_to_all_single(out, inp, out_splits, in_splits),
         async_op,
         copies,

@@ -11,15 +11,20 @@ from ._errors import DistBackendTimeoutError, DistError
 from ._groups import ProcessGroup
 from ._observe import completed, describe, failed, issued, watch
 from ._plugins import plugins
-from ._work import Timeout, Work
+from ._work import Timeout, Work, seconds
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["issue", "contiguous_view", "device_of", "POINT_TO_POINT"]
+__all__ = ["issue", "contiguous_view", "device_of", "device_type", "POINT_TO_POINT"]
 
 #: The operations numbered by the group's point-to-point counter (the others are collectives).
 POINT_TO_POINT = frozenset({"send", "recv"})
+
+
+def device_type(tensor: "torch.Tensor") -> str:
+    """``tensor.device.type``, without building a device object for CPU tensors."""
+    return "cpu" if tensor.is_cpu else tensor.device.type
 
 
 def device_of(tensors: Sequence["torch.Tensor"], operation: str) -> str:
@@ -120,24 +125,35 @@ def issue(
     backend = pg.backend_for(device, operation)
     seq = pg.next_p2p_seq() if operation in POINT_TO_POINT else pg.next_seq()
     if not plugins().observes_work:
-        work = _start(pg, operation, call, backend, copies)
         if async_op:
-            return work
-        work.wait(wait_timeout)
+            return _start(pg, operation, call, backend, copies)
+        _run_blocking(backend, call, copies, wait_timeout)
         return None
     info = describe(pg, operation, seq, tensors, reduction, root, peer, tag)
     issued(info)
     try:
-        work = _start(pg, operation, call, backend, copies)
         if async_op:
+            work = _start(pg, operation, call, backend, copies)
             watch(work, info)
             return work
-        work.wait(wait_timeout)
+        _run_blocking(backend, call, copies, wait_timeout)
     except Exception as error:  # raised while issuing, failed, or a blocking wait that timed out
         failed(info, error)
         raise
     completed(info)
     return None
+
+
+def _run_blocking(
+    backend: Backend,
+    call: Callable[[Backend], Work],
+    copies: Sequence[tuple["torch.Tensor", "torch.Tensor"]],
+    timeout: Timeout,
+) -> None:
+    """Run the operation for a caller that waits (no Work reaches it), then write staged outputs back."""
+    backend.run_blocking(call, seconds(timeout))
+    for target, staged in copies:
+        target.copy_(staged)
 
 
 def _start(

@@ -6,7 +6,7 @@ type (``"cpu"``, ``"cuda"``). Group ranks are indices into that list.
 
 from __future__ import annotations
 
-import threading
+import itertools
 import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -58,6 +58,7 @@ class ProcessGroup:
     ) -> None:
         self.name = name
         self.ranks = list(ranks)
+        self.ranks_tuple = tuple(self.ranks)  # the same, for the work hooks (never changes)
         self.rank = rank
         self.size = len(self.ranks)
         self.backends = backends
@@ -65,10 +66,9 @@ class ProcessGroup:
         self.store = store
         self.timeout = timeout
         self.backend_name = backend_name
-        self.seq = 0
-        self.p2p_seq = 0
+        self._seqs = itertools.count(1)  # next() is atomic: no lock on the hot path
+        self._p2p_seqs = itertools.count(1)
         self._global_to_group = {g: i for i, g in enumerate(self.ranks)}
-        self._lock = threading.Lock()
         self.torch_group: Any = None
 
     @property
@@ -79,16 +79,12 @@ class ProcessGroup:
     def next_seq(self) -> int:
         """Advance and return this group's collective counter: every member calls every
         collective, so the n-th collective has number n on every rank."""
-        with self._lock:
-            self.seq += 1
-            return self.seq
+        return next(self._seqs)
 
     def next_p2p_seq(self) -> int:
         """Advance and return this rank's point-to-point counter in this group (sends and
         receives involve only some ranks, so it differs between ranks)."""
-        with self._lock:
-            self.p2p_seq += 1
-            return self.p2p_seq
+        return next(self._p2p_seqs)
 
     def group_rank(self, global_rank: int, what: str = "rank") -> int:
         """The group rank of ``global_rank``; a clear error if it is not a member."""

@@ -42,13 +42,13 @@ def describe(
     tag: Optional[int] = None,
 ) -> WorkInfo:
     """The WorkInfo of ``operation`` on ``pg``; ``root`` and ``peer`` are group ranks."""
-    ranks = pg.ranks
+    ranks = pg.ranks_tuple
     if len(tensors) == 1:  # the common case, without the generators' cost
         tensor = tensors[0]
-        shapes, dtype, nbytes = [tensor.shape], str(tensor.dtype), tensor.nbytes
+        shapes, dtype, nbytes = [tensor.shape], _dtype_name(tensor.dtype), tensor.nbytes
     else:
         shapes = [t.shape for t in tensors]
-        dtype, nbytes = str(tensors[0].dtype) if tensors else "", sum(t.nbytes for t in tensors)
+        dtype, nbytes = _dtype_name(tensors[0].dtype) if tensors else "", sum(t.nbytes for t in tensors)
     return WorkInfo(
         operation,
         pg.name,
@@ -59,12 +59,24 @@ def describe(
         pg.backend_name,
         time.perf_counter(),
         ranks[pg.rank],
-        tuple(ranks),
-        None if reduction is None else reduction.name,
+        ranks,
+        None if reduction is None else reduction.op.name,
         None if root is None else ranks[root],
         None if peer is None else ranks[peer],
         tag,
+        time.time(),
     )
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``str(dtype)`` ("torch.float32"), remembered."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
 
 
 def _mark(error: BaseException) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ._dispatch import contiguous_view, issue
+from ._dispatch import contiguous_view, device_type, issue
 from ._errors import DistError
 from ._groups import ProcessGroup, resolve_group, warn_not_member
 from ._observe import rejected
@@ -41,7 +41,7 @@ def _isend(
     peer = peer_rank(operation, pg, "dst", dst, group_dst, allow_self=False)
     t = contiguous_view(tensor, None, output=False)
     return pg, issue(
-        pg, "send", tensor.device.type, lambda b: b.send(t, peer, tag), True, (), (tensor,), peer=peer, tag=tag
+        pg, "send", device_type(tensor), lambda b: b.send(t, peer, tag), True, (), (tensor,), peer=peer, tag=tag
     )
 
 
@@ -56,7 +56,7 @@ def _irecv(
         return None, None
     if src is None and group_src is None:
         peer: Optional[int] = None
-        pg.backend_for(tensor.device.type, "recv_anysource")
+        pg.backend_for(device_type(tensor), "recv_anysource")
         if pg.size == 1:
             raise ValueError(f"{operation}: src=None in a group of one rank: there is no other rank to receive from")
     else:
@@ -64,7 +64,7 @@ def _irecv(
     copies: list = []
     t = contiguous_view(tensor, copies, output=True)
     return pg, issue(
-        pg, "recv", tensor.device.type, lambda b: b.recv(t, peer, tag), True, copies, (tensor,), peer=peer, tag=tag
+        pg, "recv", device_type(tensor), lambda b: b.recv(t, peer, tag), True, copies, (tensor,), peer=peer, tag=tag
     )
 
 

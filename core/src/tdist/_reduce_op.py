@@ -65,6 +65,9 @@ def as_reduction(op: Any) -> Reduction:
     Accepts a :class:`ReduceOp`, a :class:`Reduction` (from :func:`make_premul_sum`)
     or the deprecated ``reduce_op`` members.
     """
+    plain = _PLAIN_BY_ID.get(id(op))  # the common case; hashing an enum member runs Python code
+    if plain is not None:
+        return plain
     if isinstance(op, Reduction):
         return op
     if isinstance(op, ReduceOp):
@@ -75,6 +78,7 @@ def as_reduction(op: Any) -> Reduction:
 
 
 _PLAIN = {op: Reduction(op) for op in ReduceOp if op is not ReduceOp.PREMUL_SUM}
+_PLAIN_BY_ID = {id(op): reduction for op, reduction in _PLAIN.items()}
 
 
 class _DeprecatedReduceOp:

@@ -25,7 +25,8 @@ PROJECT_NAME = "tdist"
 #: and a minor version <= this one is compatible.
 #: 1.1 added WorkInfo's rank, group_ranks, reduce_op, root, peer, tag and issued_time,
 #: ``tdist_work_failed``'s ``duration``, rejected operations reaching it, and the group hooks.
-HOOKSPEC_VERSION = (1, 1)
+#: 1.2 added ``Backend.run_blocking`` (optional: a backend may run a blocking call without a Work).
+HOOKSPEC_VERSION = (1, 2)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -78,7 +78,21 @@ def check_reduction(op: Reduction, dtype: Any, backend_name: str = "reduce") -> 
     hold (no float factor for integers, no complex factor for real tensors) and is
     not defined on bool.
     Raises ``TypeError`` for an unsupported dtype, ``ValueError`` for a bad factor.
+    Valid (operator, dtype) pairs are remembered, so a repeated check costs one lookup
+    (PREMUL_SUM's validity depends on its factor: it is always checked).
     """
+    if type(op) is Reduction and (id(op.op), dtype) in _VALID:  # members are singletons, slow to hash
+        return
+    _check_reduction(op, dtype, backend_name)
+    if type(op) is Reduction and op.op is not ReduceOp.PREMUL_SUM and len(_VALID) < 4096:
+        _VALID.add((id(op.op), dtype))
+
+
+#: (id of a ReduceOp member, dtype) pairs that passed :func:`check_reduction`.
+_VALID: set = set()
+
+
+def _check_reduction(op: Reduction, dtype: Any, backend_name: str) -> None:
     if not isinstance(op, Reduction):
         if isinstance(op, ReduceOp):
             op = Reduction(op)

@@ -257,6 +257,23 @@ def test_short_wait_does_not_run_inline():
     lane.close()
 
 
+def test_run_now_runs_only_on_an_idle_lane_and_lets_errors_through():
+    lane = Lane("test-lane", grace=5.0, inline_limit=1.0)
+    ran_in = []
+    assert lane.run_now(lambda: ran_in.append(threading.current_thread()))
+    assert ran_in == [threading.current_thread()]
+    with pytest.raises(ZeroDivisionError):
+        lane.run_now(lambda: 1 / 0)
+    queued = TcpWork("queued", 10.0)
+    lane.submit(lambda: [], queued)
+    assert not lane.run_now(lambda: ran_in.append("jumped the queue"))  # FIFO: the queued job first
+    queued.wait()
+    assert lane.run_now(lambda: ran_in.append("after"))
+    assert ran_in[1:] == ["after"]
+    lane.close()
+    assert not lane.run_now(lambda: ran_in.append("closed"))
+
+
 # ---------------------------------------------------------------- addresses
 class _FakeServerStore:
     host = "localhost"

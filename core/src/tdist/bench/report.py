@@ -81,7 +81,7 @@ def table(results: Sequence[dict], backends: Sequence[str], reference: Optional[
     return "\n".join(lines)
 
 
-_ORDER = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+_ORDER = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "barrier")
 
 
 def _op_order(op: str) -> int:

@@ -28,7 +28,9 @@ from typing import Any, Callable, Optional
 __all__ = ["main", "serve", "Adapter", "make_adapters", "run", "OPS"]
 
 #: Operations the benchmark knows, in the order it runs them.
-OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "barrier")
+#: Operations that move no data: measured once, at size 0, whatever the sizes asked for.
+SIZELESS = frozenset({"barrier"})
 
 
 def _env_rank() -> tuple[int, int, bool]:
@@ -97,6 +99,8 @@ class _TorchLike(Adapter):
         d, g, p, r = self.d, self.group, self.world, self.rank
         gather, scatter = self._gather, self._scatter
         n = _elements(op, nbytes, p, 4)
+        if op == "barrier":
+            return (lambda: d.barrier(group=g)), lambda: None
         if op == "all_reduce":
             t = torch.zeros(n, dtype=torch.float32)  # zeros: repeated in-place sums never overflow
 
@@ -204,6 +208,8 @@ class MpiAdapter(Adapter):
 
         MPI, comm, p, r = self.MPI, self.comm, self.world, self.rank
         n = _elements(op, nbytes, p, 4)
+        if op == "barrier":
+            return comm.Barrier, lambda: None
         if op == "all_reduce":
             a = np.zeros(n, dtype=np.float32)
 
@@ -328,7 +334,7 @@ def run(cfg: dict, rank: int, world: int, under_mpi: bool) -> list[dict]:
     results = []
     progress = cfg.get("progress", False) and rank == 0
     for op in cfg["ops"]:
-        for nbytes in cfg["sizes"]:
+        for nbytes in [0] if op in SIZELESS else cfg["sizes"]:
             prepared: list = []
             for ad in adapters:
                 fn, checker = ad.prepare(op, nbytes)

@@ -65,6 +65,8 @@ DEFAULTS = {
     "linger": 1.0,  # seconds shutdown waits for the peers' goodbyes
 }
 
+#: What an operation run by :meth:`TcpBackend.run_blocking` in the calling thread returns: it is done.
+_RAN = Work.completed("tcp operation run in the calling thread")
 _INLINE_SEND = 64 << 10  # sends up to this size go out in the calling thread when nothing is queued
 _live: "weakref.WeakSet[TcpBackend]" = weakref.WeakSet()
 
@@ -103,20 +105,6 @@ def _source(t: "torch.Tensor") -> "torch.Tensor":
     if t.is_contiguous() and not t.is_conj() and not t.is_neg():
         return t.view(-1)
     return t.resolve_conj().resolve_neg().contiguous().view(-1)
-
-
-_valid_reductions: set = set()
-
-
-def _check_reduction(op: "Reduction", dtype: Any, what: str) -> None:
-    """:func:`check_reduction`, remembering the (operator, dtype) pairs that passed
-    (PREMUL_SUM's validity depends on its factor: always checked)."""
-    key = (id(op.op), dtype)  # members are singletons; hashing an enum member runs Python code
-    if key in _valid_reductions:
-        return
-    check_reduction(op, dtype, what)
-    if op.op is not ReduceOp.PREMUL_SUM and len(_valid_reductions) < 1024:
-        _valid_reductions.add(key)
 
 
 def _prescale(flat: "torch.Tensor", op: "Reduction") -> None:
@@ -176,6 +164,9 @@ class TcpBackend(Backend):
         self._shut = False
         self._shut_lock = threading.Lock()
         self._in_collective = False  # a collective job runs (shutdown waits before unmapping)
+        # the thread inside run_blocking, whose collectives run at once in that thread
+        # (only that thread ever writes its own id here, so another never takes it for its own)
+        self._blocking: Optional[int] = None
         _live.add(self)
 
     # --------------------------------------------------------------- helpers
@@ -186,9 +177,11 @@ class TcpBackend(Backend):
         self, name: str, dtype: Any, redop: Optional["Reduction"], body: Callable[[algo.Coll], Any], nbytes: int = 0
     ) -> Work:
         """Queue one collective on the collective lane (``nbytes``: this rank's tensor, for messages)."""
-        work = TcpWork(f"tcp {name} on {self._me}", self._work_timeout)
         tr = self._tr
         if tr.broken is not None:
+            if self._blocking == threading.get_ident():
+                raise tr.broken
+            work = TcpWork(f"tcp {name} on {self._me}", self._work_timeout)
             work.set_exception(tr.broken)
             return work
         self._seq += 1
@@ -226,8 +219,26 @@ class TcpBackend(Backend):
             finally:
                 self._in_collective = False
 
+        if self._blocking == threading.get_ident() and self._coll_lane.run_now(job):
+            return _RAN
+        work = TcpWork(f"tcp {name} on {self._me}", self._work_timeout)
         self._coll_lane.submit(job, work)
         return work
+
+    def run_blocking(self, call: Callable[[Backend], Work], timeout: Optional[float]) -> None:
+        """A collective for a caller that waits runs in the calling thread, with no Work
+        and no lane hand-off, when the lane is idle; otherwise (earlier collectives still
+        queued, or a wait shorter than the group's timeout) it takes the queued path."""
+        if timeout is not None and timeout < self._timeout_s:
+            super().run_blocking(call, timeout)
+            return
+        self._blocking = threading.get_ident()
+        try:
+            work = call(self)
+        finally:
+            self._blocking = None
+        if work is not _RAN:
+            work.wait(timeout)
 
     def _forget_frames(self, exc: BaseException) -> None:
         """Clear the locals of a failed collective's finished frames: they may hold views of
@@ -319,7 +330,7 @@ class TcpBackend(Backend):
         return self._submit("broadcast", tensor.dtype, None, body, tensor.nbytes)
 
     def all_reduce(self, tensor: "torch.Tensor", op: "Reduction") -> Work:
-        _check_reduction(op, tensor.dtype, "tcp all_reduce")
+        check_reduction(op, tensor.dtype, "tcp all_reduce")
 
         def body(c: algo.Coll) -> list:
             flat, back = _inplace(tensor)
@@ -342,7 +353,7 @@ class TcpBackend(Backend):
         return self._submit("all_reduce", tensor.dtype, op, body, tensor.nbytes)
 
     def reduce(self, tensor: "torch.Tensor", dst: int, op: "Reduction") -> Work:
-        _check_reduction(op, tensor.dtype, "tcp reduce")
+        check_reduction(op, tensor.dtype, "tcp reduce")
 
         def body(c: algo.Coll) -> list:
             flat, back = _inplace(tensor)
@@ -459,7 +470,7 @@ class TcpBackend(Backend):
             back.copy_(out.view(back.shape))
 
     def reduce_scatter(self, output: "torch.Tensor", inputs: Sequence["torch.Tensor"], op: "Reduction") -> Work:
-        _check_reduction(op, output.dtype, "tcp reduce_scatter")
+        check_reduction(op, output.dtype, "tcp reduce_scatter")
 
         def body(c: algo.Coll) -> list:
             if self._shm is not None:
@@ -472,7 +483,7 @@ class TcpBackend(Backend):
         return self._submit("reduce_scatter", output.dtype, op, body, output.nbytes)
 
     def reduce_scatter_tensor(self, output: "torch.Tensor", tensor: "torch.Tensor", op: "Reduction") -> Work:
-        _check_reduction(op, output.dtype, "tcp reduce_scatter_tensor")
+        check_reduction(op, output.dtype, "tcp reduce_scatter_tensor")
 
         def body(c: algo.Coll) -> list:
             if self._shm is not None:

@@ -153,6 +153,22 @@ class Lane:
                     self._cv.notify()
         return True
 
+    def run_now(self, fn: Callable[[], Any]) -> bool:
+        """Run ``fn`` in this thread if the lane is idle and nothing is queued (FIFO order
+        holds), letting its error propagate; False, without running it, otherwise."""
+        with self._lock:
+            if self._busy or self._queue or self._closed is not None:
+                return False
+            self._busy = True
+        try:
+            fn()
+        finally:
+            with self._lock:
+                self._busy = False
+                if self._queue:
+                    self._cv.notify()
+        return True
+
     def drive(self, job: TcpWork, timeout: Optional[float]) -> None:
         """Called by a waiter of ``job``: run the queue up to ``job`` inline if the lane is
         idle (and the wait is long enough), else ask the worker to hurry."""

@@ -90,6 +90,7 @@ _DESC = struct.Struct("<QQIBBBx")  # seq, nbytes, root, op, redop, dtype
 _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
 _ALIGN = 64
+_ARRAY_CACHE_BYTES = 4096  # tensors up to this size keep their numpy view between collectives
 
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -376,6 +377,7 @@ class ShmEngine:
         self._kernels: dict = {}
         self._last_kernel: tuple = (None, None, None)
         self._views: dict = {}
+        self._arrays: dict = {}
         self._spin_option = options.get("shm_spin_us")
         self._spin: Optional[float] = None
         self._yield = False
@@ -411,6 +413,19 @@ class ShmEngine:
                 self._views.clear()
             v = self._views[key] = [self.u8[o : o + nbytes].view(npdt) for o in (self.off(q, b) for q in range(self.p))]
         return v
+
+    def _array(self, flat: "torch.Tensor") -> Any:
+        """``flat.numpy()`` for a small tensor, remembered by (address, elements, dtype):
+        building the view costs more than a small collective's reduction. A remembered
+        view is used only for a tensor at the same address with the same elements and
+        dtype, so it always addresses that tensor's memory."""
+        key = (flat.data_ptr(), flat.numel(), flat.dtype)
+        arr = self._arrays.get(key)
+        if arr is None:
+            if len(self._arrays) >= 16:
+                self._arrays.clear()
+            arr = self._arrays[key] = flat.numpy()
+        return arr
 
     def off(self, q: int, b: int) -> int:
         return self._data_off + (2 * q + b) * self.S
@@ -449,7 +464,7 @@ class ShmEngine:
             return
         self.closed = True
         self.wake()
-        self._views, self._kernels, self._last_kernel = {}, {}, (None, None, None)
+        self._views, self._arrays, self._kernels, self._last_kernel = {}, {}, {}, (None, None, None)
         self._t8 = self.u8 = self.ctl = None  # type: ignore[assignment]  # closed: nothing mapped any more
         self._peer_ctr, self._peer_flags = [], []
         try:
@@ -555,7 +570,7 @@ class ShmEngine:
             desc: Optional[tuple] = self._put_desc(c, nb, root or 0)
             uf = K.ufunc
             if uf is not None:  # numpy all the way (the common case, and the fast one)
-                arr = flat.numpy()
+                arr = self._array(flat) if nb <= _ARRAY_CACHE_BYTES else flat.numpy()
                 views = self._views.get((b, nb, K.npdt)) or self.views(b, nb, K.npdt)
                 np.copyto(views[r], arr)
                 self._step(c, desc)
