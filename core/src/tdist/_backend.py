@@ -51,7 +51,14 @@ ANY_SOURCE_OP = "recv_anysource"
 #: The finer features a backend may declare unsupported in ``BackendSpec.extra["unsupported"]``
 #: (``{key: why}``), besides ``reduce_op.<ReduceOp name>`` and ``dtype.<torch dtype name>``;
 #: the conformance kit (:mod:`tdist.testing.capabilities`) explains each.
-FEATURES: tuple[str, ...] = ("multigpu", "monitored_barrier", "p2p_tags", "collective_mismatch", "peer_failure")
+FEATURES: tuple[str, ...] = (
+    "multigpu",
+    "monitored_barrier",
+    "p2p_tags",
+    "p2p_size_check",
+    "collective_mismatch",
+    "peer_failure",
+)
 
 #: How the conformance kit starts a world of a backend (:attr:`BackendSpec.launcher`):
 #: None, one process per rank (``env://``); ``"mpirun"``, every rank under one ``mpirun``.

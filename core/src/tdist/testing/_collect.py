@@ -59,6 +59,10 @@ def run_body(world: World, b: Body, kwargs: dict, *, body_timeout: Optional[floa
     timeout = b.timeout or body_timeout or DEFAULT_BODY_TIMEOUT
     caps = capabilities(world.backend, world.dist_module)
     missing = [(key, caps.reason(key)) for key in b.required(kwargs) if not caps.supports(key)]
+    if missing and b.fatal_when_unsupported:
+        pytest.xfail(
+            f"unsupported: {'; '.join(r or k for k, r in missing)} (not run: the violation aborts the process)"
+        )
     if missing:
         outcomes = world.try_run(b.fn, timeout=timeout, **kwargs)
         failures = [o for o in outcomes if isinstance(o, RankFailure)]

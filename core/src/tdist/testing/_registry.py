@@ -29,6 +29,9 @@ class Body:
     ``tdist_only``: why the body cannot run against torch.distributed at all (it
     would hang there); the test is skipped with that reason in reference mode.
     ``check``: optional controller-side ``check(results, world_size, **kwargs)``.
+    ``fatal_when_unsupported``: a backend lacking a required capability may abort the
+    process instead of raising (gloo on an oversized message), so the body is not run
+    there; the test is reported xfail, naming the capability and why.
     """
 
     fn: Callable[..., Any]
@@ -43,6 +46,7 @@ class Body:
     reference_xfail: Optional[str] = None
     tdist_only: Optional[str] = None
     check: Optional[Callable[..., None]] = None
+    fatal_when_unsupported: bool = False
     doc: str = ""
 
     def required(self, kwargs: dict) -> list[str]:
@@ -88,6 +92,7 @@ def body(
     tdist_only: Optional[str] = None,
     check: Optional[Callable[..., None]] = None,
     name: Optional[str] = None,
+    fatal_when_unsupported: bool = False,
 ) -> Any:
     """Register a module-level function as a test body (usable bare or with options)."""
     if suite not in SUITES:
@@ -108,6 +113,7 @@ def body(
             reference_xfail=reference_xfail,
             tdist_only=tdist_only,
             check=check,
+            fatal_when_unsupported=fatal_when_unsupported,
             doc=(f.__doc__ or "").strip().splitlines()[0] if f.__doc__ else "",
         )
         key = f"{f.__module__}:{f.__qualname__}"

@@ -9,6 +9,7 @@ finer features the spec has no column for:
 ``multigpu``          the ``*_multigpu`` API names
 ``monitored_barrier`` :func:`monitored_barrier`
 ``p2p_tags``          ``tag=`` matching in send/recv
+``p2p_size_check``    a receive into a buffer that does not match the message's size raises
 ``collective_mismatch``  detecting ranks that issue different collectives / sizes / dtypes / roots
 ``peer_failure``      every survivor of a killed peer raises promptly (not after the timeout)
 
@@ -53,6 +54,11 @@ _ALL_OPS = frozenset(
     }
 )
 
+_GLOO_SIZE_CHECK = (
+    "gloo aborts the receiving process (std::terminate in its transport thread) when a message "
+    "is larger than the receive buffer"
+)
+
 #: torch.distributed's backends (torch 2.x, CPU tensors), measured with the kit:
 #: per backend, the operations it has and the finer features it lacks (with why).
 TORCH_BACKENDS: dict[str, dict[str, Any]] = {
@@ -61,6 +67,7 @@ TORCH_BACKENDS: dict[str, dict[str, Any]] = {
         "unsupported": {
             "collective_mismatch": "torch gloo aborts or returns wrong data on mismatched sizes/dtypes",
             "peer_failure": "torch gloo: ranks not connected to the dead one wait for the timeout",
+            "p2p_size_check": _GLOO_SIZE_CHECK,
             "reduce_op.PREMUL_SUM": "torch gloo: 'Cannot use ReduceOp.PREMUL_SUM with Gloo'",
             "multigpu": "torch.distributed 2.x removed the *_multigpu functions",
         },

@@ -10,6 +10,7 @@ Importing this module registers the bodies of:
 - :mod:`~tdist.testing.conformance_reduce` (every ReduceOp x dtype, AVG, PREMUL_SUM, invalid pairs)
 - :mod:`~tdist.testing.conformance_groups` (groups, non-members, monitored_barrier, multi-GPU names)
 - :mod:`~tdist.testing.conformance_errors` (bad arguments raise without communicating)
+- :mod:`~tdist.testing.conformance_contract` (the contract's musts that results alone do not show)
 - :mod:`~tdist.testing.tutorial` (the tutorial's programs; suite "tutorial")
 - :mod:`~tdist.testing.torch_utilities` (torch's DDP, FSDP, DCP, ... over the groups; suite "torch")
 - :mod:`~tdist.testing.scenarios` (failure scenarios in one-off worlds)
@@ -23,6 +24,7 @@ from __future__ import annotations
 from . import (  # noqa: F401  (imported for their registrations)
     conformance_coalesced,
     conformance_collectives,
+    conformance_contract,
     conformance_errors,
     conformance_groups,
     conformance_objects,
@@ -48,6 +50,7 @@ __all__ = [
     "conformance_groups",
     "conformance_objects",
     "conformance_errors",
+    "conformance_contract",
     "tutorial",
     "torch_utilities",
     "scenarios",

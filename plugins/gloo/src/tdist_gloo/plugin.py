@@ -21,15 +21,22 @@ _CHECK_ENV = "TDIST_GLOO_CHECK_COLLECTIVES"
 
 
 def _unsupported_features() -> dict[str, str]:
-    """Features the conformance kit checks that gloo lacks unless asked for."""
+    """Features the conformance kit checks that gloo lacks (some unless asked for)."""
+    size_check = {
+        "p2p_size_check": (
+            "torch's gloo aborts the receiving process (std::terminate in its transport thread) when a "
+            "message is larger than the receive buffer; make sender and receiver agree on sizes"
+        )
+    }
     if flag(_CHECK_ENV):
-        return {}
+        return size_check
     return {
+        **size_check,
         "collective_mismatch": (
             "gloo does not detect ranks issuing different sizes or dtypes (it may abort or return "
             f"corrupted data); set {_CHECK_ENV}=1 or pg_options={{'gloo_check_collectives': True}} to check "
             "every collective first (about +150 us per call)"
-        )
+        ),
     }
 
 

@@ -34,6 +34,8 @@ _sleep = time.sleep
 _Lock = threading.Lock
 
 _PENDING, _DONE, _OTHER = 0, 1, 2
+#: Requests abandoned at destroy and the buffers they may still write (never freed under MPI's feet).
+_ABANDONED: list = []
 _SPIN_TRIES = 64  # Test() calls per lock hold and clock check while spinning
 
 
@@ -41,7 +43,7 @@ class MPIWork(Work):
     """One MPI request; ``finalize`` (copy staged results out, divide for AVG) runs once,
     in the thread that sees the request complete, before the work is marked done."""
 
-    __slots__ = ("_req", "_status", "_finalize", "_outputs", "_keep", "_mpilock", "_test_lock")
+    __slots__ = ("_req", "_status", "_finalize", "_outputs", "_keep", "_mpilock", "_test_lock", "__weakref__")
 
     def __init__(
         self,
@@ -122,6 +124,26 @@ class MPIWork(Work):
             return
         status = self._status
         self.set_result(self._outputs, status.Get_source() if status is not None else -1)
+
+    def abandon(self, error: BaseException) -> None:
+        """The group is being destroyed: cancel the request if it is still pending (MPI can
+        cancel a receive; a collective runs on) and fail this Work with ``error``. The
+        buffers MPI may still touch stay referenced for the life of the process."""
+        with self._test_lock:
+            req, self._req = self._req, None
+        if req is None or self._done:
+            return
+        try:
+            if self._mpilock is None:
+                req.Cancel()
+            else:
+                with self._mpilock:
+                    req.Cancel()
+        except Exception:  # noqa: BLE001 - the request may have completed or be uncancellable
+            pass
+        _ABANDONED.append((req, self._keep, self._outputs))
+        self._keep = self._finalize = None
+        self.set_exception(error)
 
     # ------------------------------------------------------- the Work template
     def _poll(self) -> bool:

@@ -10,6 +10,7 @@ then SUM, float16/bfloat16 reduced in float32 staging buffers.
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from datetime import timedelta
 from itertools import accumulate
@@ -90,6 +91,7 @@ class MPIBackend(Backend):
         tag_ub = comm.Get_attr(MPI.TAG_UB)
         self._tag_ub = int(tag_ub) if tag_ub else 32767
         self._check = check_collectives
+        self._works: "weakref.WeakSet[MPIWork]" = weakref.WeakSet()  # failed by shutdown if still pending
 
     # ------------------------------------------------------------------ helpers
     def _issue(
@@ -106,7 +108,9 @@ class MPIBackend(Backend):
                 req = call()
         except MPIException as exc:
             raise mpi_error(operation, exc) from exc
-        return MPIWork(operation, req, self._t, outputs, finalize, keep, status, self._wlock)
+        work = MPIWork(operation, req, self._t, outputs, finalize, keep, status, self._wlock)
+        self._works.add(work)
+        return work
 
     def _plan(self, dtype: torch.dtype, op: Reduction, operation: str) -> Plan:
         key = (dtype, id(op.op))  # ReduceOp members are singletons; hashing an Enum runs Python code
@@ -165,7 +169,18 @@ class MPIBackend(Backend):
         dt = self._tables.xfer(tensor.dtype)
         source = self._ANY_SOURCE if src is None else src
         comm = self._comm
-        return self._issue("recv", lambda: comm.Irecv([buf, dt], source, tag), (tensor,), status=self._Status())
+        status = self._Status()
+        expected = tensor.nbytes // dt.Get_size()
+
+        def check_size() -> None:  # a larger message fails in MPI itself (MPI_ERR_TRUNCATE)
+            got = status.Get_count(dt)
+            if got != expected:
+                raise DistBackendError(
+                    f"mpi backend: recv: the message from group rank {status.Get_source()} (tag {status.Get_tag()}) "
+                    f"holds {got} items of {dt.Get_name() or 'its type'}, the receive buffer {expected}"
+                )
+
+        return self._issue("recv", lambda: comm.Irecv([buf, dt], source, tag), (tensor,), check_size, status=status)
 
     # --------------------------------------------------------------- collectives
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
@@ -401,6 +416,10 @@ class MPIBackend(Backend):
         return self._comm
 
     def shutdown(self) -> None:
+        """Fail the operations still pending (cancelling receives), then free the communicator."""
+        error = DistBackendError(f"mpi backend: group rank {self.rank}'s process group was destroyed")
+        for work in list(self._works):
+            work.abandon(error)
         comm, self._comm = self._comm, None
         MPI = self._rt.MPI
         if comm is not None and MPI.Is_initialized() and not MPI.Is_finalized():
