@@ -192,9 +192,8 @@ def _forget(group: Any, members: list[int]) -> None:
     call make a new one."""
     from . import helpers
 
-    for key, g in list(helpers._GROUPS.items()):
-        if g is group:
-            del helpers._GROUPS[key]
+    # by key: a non-member's handle is one shared object, the same for every group it is not in
+    helpers._GROUPS.pop((tuple(sorted(members)), None), None)
     if dist.get_rank() in members:
         dist.destroy_process_group(group)
 
