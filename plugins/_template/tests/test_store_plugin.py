@@ -122,6 +122,24 @@ def test_receives_match_in_posting_order():
     assert [first.item(), second.item(), third.item()] == [1.0, 2.0, 3.0]  # messages from one rank stay in order
 
 
+def test_a_later_receive_completes_first_whatever_the_shapes():
+    """Receives of different shapes pending at once: the one whose message is there
+    completes while an earlier one still waits (pending receives are told apart by
+    identity, never by comparing their tensors)."""
+    import torch
+
+    _, (b0, b1) = _pair()
+    early, late = torch.zeros(3), torch.zeros(4)
+    w_early = b1.recv(early, 0, 1)
+    w_late = b1.recv(late, 0, 2)
+    b0.send(torch.full((4,), 2.0), 1, 2).wait()
+    w_late.wait(10)
+    assert late.tolist() == [2.0] * 4 and not w_early.is_completed()
+    b0.send(torch.full((3,), 1.0), 1, 1).wait()
+    w_early.wait(10)
+    assert early.tolist() == [1.0] * 3
+
+
 def test_large_payloads_are_split(monkeypatch):
     import torch
     from tdist_template import backend

@@ -50,7 +50,7 @@ __all__ = ["NcclBackend", "create_backend", "parse_device"]
 UNIQUE_ID_KEY = "nccl/unique_id"
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity, never field by field (they hold tensors)
 class _P2P:
     """A queued send or receive."""
 
