@@ -56,8 +56,10 @@ FEATURES: tuple[str, ...] = (
     "monitored_barrier",
     "p2p_tags",
     "p2p_size_check",
+    "p2p_dtype_check",
     "collective_mismatch",
     "peer_failure",
+    "timeout_names_ranks",
 )
 
 #: How the conformance kit starts a world of a backend (:attr:`BackendSpec.launcher`):

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 from ._registry import Body, bodies
 from .capabilities import capabilities
 from .scenarios import Scenario, ScenarioContext, scenarios
-from .world import RankFailure, World
+from .world import World, failures_first
 
 __all__ = [
     "collect",
@@ -33,6 +33,9 @@ __all__ = [
 #: Seconds pytest-timeout allows a test beyond the body's own timeout (a world restart fits).
 _TIMEOUT_SLACK = 150.0
 DEFAULT_BODY_TIMEOUT = 60.0
+#: Seconds the other ranks get to finish once one rank's body has raised, before the world is
+#: stopped (they are usually blocked in a collective waiting for that rank).
+FAIL_FAST = 3.0
 
 
 def _is_tdist(module_name: str) -> bool:
@@ -64,8 +67,8 @@ def run_body(world: World, b: Body, kwargs: dict, *, body_timeout: Optional[floa
             f"unsupported: {'; '.join(r or k for k, r in missing)} (not run: the violation aborts the process)"
         )
     if missing:
-        outcomes = world.try_run(b.fn, timeout=timeout, **kwargs)
-        failures = [o for o in outcomes if isinstance(o, RankFailure)]
+        outcomes = world.try_run(b.fn, timeout=timeout, fail_fast=FAIL_FAST, **kwargs)
+        failures = failures_first(outcomes)
         keys = ", ".join(k for k, _ in missing)
         if not failures:
             pytest.fail(
@@ -73,17 +76,17 @@ def run_body(world: World, b: Body, kwargs: dict, *, body_timeout: Optional[floa
                 "the declaration is wrong",
                 pytrace=False,
             )
-        unclean = [f for f in failures if f.kind != "error"]
+        unclean = [f for f in failures if f.kind not in ("error", "stopped")]
         if unclean:
             raise world.error_for(b.ref, outcomes)
         pytest.xfail(f"unsupported: {'; '.join(r or k for k, r in missing)} -> raised {failures[0].headline}")
     if b.reference_xfail and reference:
-        outcomes = world.try_run(b.fn, timeout=timeout, **kwargs)
-        failures = [o for o in outcomes if isinstance(o, RankFailure)]
+        outcomes = world.try_run(b.fn, timeout=timeout, fail_fast=FAIL_FAST, **kwargs)
+        failures = failures_first(outcomes)
         if failures:
             pytest.xfail(f"reference {world.dist_module} deviates: {b.reference_xfail} ({failures[0].headline})")
         return outcomes
-    results = world.run(b.fn, timeout=timeout, **kwargs)
+    results = world.run(b.fn, timeout=timeout, fail_fast=FAIL_FAST, **kwargs)
     if b.check is not None:
         b.check(results, world.world_size, **kwargs)
     return results

@@ -10,8 +10,10 @@ finer features the spec has no column for:
 ``monitored_barrier`` :func:`monitored_barrier`
 ``p2p_tags``          ``tag=`` matching in send/recv
 ``p2p_size_check``    a receive into a buffer that does not match the message's size raises
+``p2p_dtype_check``   a receive into a buffer of another dtype (same byte size) raises
 ``collective_mismatch``  detecting ranks that issue different collectives / sizes / dtypes / roots
 ``peer_failure``      every survivor of a killed peer raises promptly (not after the timeout)
+``timeout_names_ranks``  a collective whose peers never arrive raises DistBackendTimeoutError naming them
 
 A tdist backend declares a finer feature unsupported by listing its key in
 ``BackendSpec.extra["unsupported"]``; an undeclared feature counts as supported.
@@ -68,6 +70,8 @@ TORCH_BACKENDS: dict[str, dict[str, Any]] = {
             "collective_mismatch": "torch gloo aborts or returns wrong data on mismatched sizes/dtypes",
             "peer_failure": "torch gloo: ranks not connected to the dead one wait for the timeout",
             "p2p_size_check": _GLOO_SIZE_CHECK,
+            "p2p_dtype_check": "torch gloo moves bytes: a receive into another dtype of the same size reinterprets them",
+            "timeout_names_ranks": "torch gloo: 'Timed out waiting 2000ms for recv operation', naming no rank",
             "reduce_op.PREMUL_SUM": "torch gloo: 'Cannot use ReduceOp.PREMUL_SUM with Gloo'",
             "multigpu": "torch.distributed 2.x removed the *_multigpu functions",
         },
@@ -80,6 +84,8 @@ TORCH_BACKENDS: dict[str, dict[str, Any]] = {
             "multigpu": "torch.distributed 2.x removed the *_multigpu functions",
             "monitored_barrier": "monitored_barrier is gloo-only in torch",
             "collective_mismatch": "MPI does not check that ranks issue matching collectives",
+            "timeout_names_ranks": "an MPI request does not tell which ranks have not arrived",
+            "p2p_dtype_check": "MPI does not check that sender and receiver use one datatype",
         },
     },
     "nccl": {

@@ -28,6 +28,7 @@ __all__ = [
     "results_bit_identical",
     "send_buffer_reusable",
     "recv_wrong_size_fails",
+    "recv_wrong_dtype_fails",
     "any_source_arrival_order",
     "is_completed_means_done",
     "pending_fail_at_destroy",
@@ -179,6 +180,28 @@ def recv_wrong_size_fails():
             except Exception:
                 pass  # the sender may see the receiver's refusal
         _forget(pair, [0, 1])
+
+
+@body(min_world_size=2, timeout=60, requires=("p2p_dtype_check",))
+def recv_wrong_dtype_fails():
+    """recv into a buffer of another dtype with the message's byte size (int32 into float32)
+    raises instead of reinterpreting the bytes."""
+    torch = _torch()
+    r = dist.get_rank()
+    pair = cached_group([0, 1])  # a group of its own: the failure may break it
+    if r == 0:
+        w = dist.isend(torch.ones(8, dtype=torch.int32), dst=1, group=pair)
+    elif r == 1:
+        got = torch.zeros(8)
+        with raises(Exception, what="recv of an int32 message into a float32 buffer of the same byte size"):
+            dist.recv(got, src=0, group=pair)
+    dist.barrier()
+    if r == 0:
+        try:
+            w.wait(timeout=_seconds(5))
+        except Exception:
+            pass  # the sender may see the receiver's refusal
+    _forget(pair, [0, 1])
 
 
 def _seconds(s: float) -> Any:

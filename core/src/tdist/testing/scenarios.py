@@ -9,11 +9,13 @@ the backend misbehaves.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
@@ -90,11 +92,31 @@ class ScenarioContext:
         return self.dist_module.split(".")[0] == "tdist"
 
     def spawn(self, world_size: int, **kwargs: Any):
+        """A one-off world; with the session's fixed ``init_method`` (``--tdist-init-method``)
+        it gets an address of its own, since a pooled world may be using that one."""
         opts = dict(self.world_kwargs)
+        if "init_method" in opts:
+            opts["init_method"] = own_address(opts["init_method"])
         opts.update(kwargs)
         opts.setdefault("launcher", self.launcher)
         opts.setdefault("dist_module", self.dist_module)
         return World.spawn(self.backend, world_size, **opts)
+
+
+_OWN = itertools.count(1)
+
+
+def own_address(init_method: str) -> str:
+    """``init_method`` made unique to one world: a ``tcp://`` URL with a fixed port gets a
+    free port on the same host, a ``file://`` URL a file of its own; others unchanged."""
+    parts = urllib.parse.urlsplit(init_method)
+    if parts.scheme == "tcp" and parts.port:
+        host = parts.hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        return urllib.parse.urlunsplit(parts._replace(netloc=f"{host}:{free_port()}"))
+    if parts.scheme == "file" and parts.path:
+        return urllib.parse.urlunsplit(parts._replace(path=f"{parts.path}.{os.getpid()}-{next(_OWN)}"))
+    return init_method
 
 
 def _info(exc: BaseException, started: float) -> dict:
@@ -320,6 +342,77 @@ def recv_timeout(ctx: ScenarioContext) -> None:
         assert "TimeoutError" in got["mro"] and "DistError" in got["mro"], (
             f"recv timeout raised {got['type']} ({got['message']}), expected a DistError that is a TimeoutError"
         )
+
+
+#: The collectives :func:`collective_timeout` leaves without their last rank.
+#: (Each rank's result depends on every rank's input: none may complete without the last rank.)
+_TIMED_COLLECTIVES = ("all_reduce", "all_gather", "barrier")
+
+
+def _w_collectives_without_last(group_timeout: float) -> Any:
+    """Every rank but the last issues each of :data:`_TIMED_COLLECTIVES` on its own group
+    (created with ``group_timeout``); report how each ended."""
+    import torch
+
+    from ._common import dist
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    groups = {op: dist.new_group(list(range(n)), timeout=timedelta(seconds=group_timeout)) for op in _TIMED_COLLECTIVES}
+    result: dict = {}
+    if r == n - 1:
+        return result  # the rank that never arrives
+    for op, g in groups.items():
+        t = torch.ones(4)
+        started = time.monotonic()
+        try:
+            if op == "all_reduce":
+                dist.all_reduce(t, group=g)
+            elif op == "all_gather":
+                dist.all_gather([torch.zeros(4) for _ in range(n)], t, group=g)
+            else:
+                dist.barrier(group=g)
+            result[op] = {"type": None, "elapsed": time.monotonic() - started}
+        except Exception as exc:
+            result[op] = _info(exc, started)
+    return result
+
+
+def _names_rank(message: str, rank: int) -> bool:
+    """Whether ``message`` names ``rank`` after the word rank ("rank 2", "ranks [0, 2]", "rank(s) 2")."""
+    return any(
+        str(rank) in re.findall(r"\d+", numbers)
+        for numbers in re.findall(r"rank(?:s|\(s\))?\W*((?:\d+\W{0,3})+)", message)
+    )
+
+
+@scenario(requires=("timeout_names_ranks",), timeout=150)
+def collective_timeout(ctx: ScenarioContext) -> None:
+    """Collectives whose last rank never arrives (all_reduce, all_gather, barrier on
+    groups created with timeout=2 s) raise after about 2 s on every rank that issued them; for
+    tdist a DistBackendTimeoutError naming the missing rank."""
+    group_timeout, n = 2.0, 3
+    with ctx.spawn(n, pg_timeout=60) as world:
+        outcomes = world.try_run(_w_collectives_without_last, timeout=90, group_timeout=group_timeout)
+    problems = []
+    for r, o in enumerate(outcomes[: n - 1]):
+        if isinstance(o, RankFailure):
+            problems.append(f"rank {r}: {o.headline}")
+            continue
+        for op in _TIMED_COLLECTIVES:
+            got = o[op]
+            if got["type"] is None:
+                problems.append(f"rank {r}: {op} without rank {n - 1} returned normally")
+            elif got["elapsed"] > group_timeout + 10:
+                problems.append(f"rank {r}: {op} raised after {got['elapsed']:.1f} s (group timeout {group_timeout} s)")
+            elif ctx.strict and "DistBackendTimeoutError" not in got["mro"]:
+                problems.append(
+                    f"rank {r}: {op} raised {got['type']} ({got['message'][:200]}), expected DistBackendTimeoutError"
+                )
+            elif ctx.strict and not _names_rank(got["message"], n - 1):
+                problems.append(
+                    f"rank {r}: {op}'s timeout does not name the missing rank {n - 1}: {got['message'][:300]}"
+                )
+    assert not problems, "collective timeout: " + "; ".join(problems)
 
 
 @scenario(timeout=120)

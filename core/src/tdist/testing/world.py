@@ -56,6 +56,7 @@ from ._protocol import HANDSHAKE_TIMEOUT, accept_worker, recv_msg, send_msg
 __all__ = [
     "World",
     "RankFailure",
+    "failures_first",
     "WorldError",
     "WorldRunError",
     "WorldTimeoutError",
@@ -99,7 +100,9 @@ class RankFailure:
     """What happened on a rank that did not return normally.
 
     ``kind`` is ``"error"`` (the body raised), ``"died"`` (the process exited or
-    its connection closed) or ``"timeout"`` (no answer in time; the world was killed).
+    its connection closed), ``"timeout"`` (no answer in time; the world was killed) or
+    ``"stopped"`` (killed without waiting for it, because another rank's body raised:
+    see ``fail_fast`` in :meth:`World.try_run`).
     For errors, ``type_name`` is the exception class name, ``mro`` the
     ``module.qualname`` of each class in its MRO, ``exception`` the exception
     itself when it could be pickled back (else None).
@@ -155,6 +158,16 @@ class RankFailure:
         return text
 
 
+def failures_first(outcomes: Sequence[Any]) -> list[RankFailure]:
+    """The failures among ``outcomes``, the most telling first: ranks whose body raised
+    (assertions first, earliest first), then the ranks that died, timed out or were
+    stopped (usually only waiting for the first)."""
+    return sorted(
+        (o for o in outcomes if isinstance(o, RankFailure)),
+        key=lambda f: (f.kind != "error", not f.is_a(AssertionError), f.elapsed),
+    )
+
+
 def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in text.splitlines())
 
@@ -174,11 +187,14 @@ def _kill_all_worlds() -> None:
 class _Pending:
     """A call sent to every rank whose replies have not all been collected yet."""
 
-    def __init__(self, world: "World", call_id: int, ref: str, timeout: float) -> None:
+    def __init__(
+        self, world: "World", call_id: int, ref: str, timeout: float, fail_fast: Optional[float] = None
+    ) -> None:
         self.world = world
         self.call_id = call_id
         self.ref = ref
         self.timeout = timeout
+        self.fail_fast = fail_fast
         self.sent_at = time.monotonic()
 
     def outcomes(self) -> list[Any]:
@@ -516,7 +532,9 @@ class World:
         """Send ``fn(**kwargs)`` to every rank without waiting; ``.outcomes()`` collects."""
         return self._submit(fn, timeout, kwargs)
 
-    def _submit(self, fn: Union[Callable[..., Any], str], timeout: float, kwargs: dict) -> _Pending:
+    def _submit(
+        self, fn: Union[Callable[..., Any], str], timeout: float, kwargs: dict, fail_fast: Optional[float] = None
+    ) -> _Pending:
         with self._lock:
             if not self._alive:
                 if self.restartable and self.starts:
@@ -529,7 +547,7 @@ class World:
                 raise WorldError("tdist.testing: a call is already running in this world")
             self._call_ids += 1
             ref = fn_ref(fn)
-            pending = _Pending(self, self._call_ids, ref, timeout)
+            pending = _Pending(self, self._call_ids, ref, timeout, fail_fast)
             for rank in self.ranks:
                 try:
                     send_msg(self._conns[rank], ("call", pending.call_id, ref, kwargs))
@@ -538,18 +556,29 @@ class World:
             self._pending = pending
             return pending
 
-    def try_run(self, fn: Union[Callable[..., Any], str], *, timeout: float = 60.0, **kwargs: Any) -> list[Any]:
+    def try_run(
+        self,
+        fn: Union[Callable[..., Any], str],
+        *,
+        timeout: float = 60.0,
+        fail_fast: Optional[float] = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run ``fn(**kwargs)`` on every rank; return each rank's result or a :class:`RankFailure`.
 
         Use it for bodies expected to fail on some ranks. After a timeout or a
         dead rank the world is killed; after errors on only some ranks it is
         killed too (its state is unknown); after an error on every rank a health
-        check decides.
+        check decides. ``fail_fast`` (seconds): once a rank's body has raised, wait
+        at most that long for the others, then kill the world; they are reported
+        ``"stopped"`` (no stack dumps) instead of waiting out ``timeout``.
         """
-        return self._try_run_ref(fn, timeout=timeout, kwargs=kwargs, check_after=True)
+        return self._try_run_ref(fn, timeout=timeout, kwargs=kwargs, check_after=True, fail_fast=fail_fast)
 
-    def _try_run_ref(self, fn: Any, *, timeout: float, kwargs: dict, check_after: bool) -> list[Any]:
-        pending = self._submit(fn, timeout, kwargs)
+    def _try_run_ref(
+        self, fn: Any, *, timeout: float, kwargs: dict, check_after: bool, fail_fast: Optional[float] = None
+    ) -> list[Any]:
+        pending = self._submit(fn, timeout, kwargs, fail_fast)
         outcomes = self._collect(pending)
         if check_after and self._alive:
             failures = [o for o in outcomes if isinstance(o, RankFailure)]
@@ -561,16 +590,24 @@ class World:
                     self.kill()
         return outcomes
 
-    def run(self, fn: Union[Callable[..., Any], str], *, timeout: float = 60.0, **kwargs: Any) -> list[Any]:
+    def run(
+        self,
+        fn: Union[Callable[..., Any], str],
+        *,
+        timeout: float = 60.0,
+        fail_fast: Optional[float] = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run ``fn(**kwargs)`` on every rank at once; return the results by rank.
 
         Raises :class:`WorldRunError` (an AssertionError) with every failing
-        rank's traceback, or :class:`WorldTimeoutError` naming the ranks that did
-        not answer within ``timeout`` seconds (the world is then killed).
+        rank's traceback, the ranks whose body raised first, or :class:`WorldTimeoutError`
+        naming the ranks that did not answer within ``timeout`` seconds (the world is
+        then killed). ``fail_fast``: as in :meth:`try_run`.
         """
         __tracebackhide__ = True  # pytest: show the ranks' tracebacks, not the harness
         ref = fn_ref(fn)
-        outcomes = self.try_run(ref, timeout=timeout, **kwargs)
+        outcomes = self.try_run(ref, timeout=timeout, fail_fast=fail_fast, **kwargs)
         failures = [o for o in outcomes if isinstance(o, RankFailure)]
         if failures:
             raise self.error_for(ref, outcomes)
@@ -578,10 +615,13 @@ class World:
 
     def error_for(self, ref: str, outcomes: Sequence[Any]) -> WorldRunError:
         """The :class:`WorldRunError` describing ``outcomes`` of body ``ref``."""
-        failures = [o for o in outcomes if isinstance(o, RankFailure)]
+        failures = failures_first(outcomes)
         timed_out = [f.rank for f in failures if f.kind == "timeout"]
-        failed = [f.rank for f in failures]
+        stopped = [f.rank for f in failures if f.kind == "stopped"]
+        failed = sorted(f.rank for f in failures if f.kind != "stopped")
         head = f"tdist.testing: {ref} failed on ranks {failed} of {len(outcomes)} ({self.describe()})"
+        if stopped:
+            head += f"; ranks {stopped} were stopped once rank {failures[0].rank} had failed"
         if timed_out:
             head += f"; ranks {timed_out} did not answer in time, the world was killed"
         ok = [self.ranks[i] for i, o in enumerate(outcomes) if not isinstance(o, RankFailure)]
@@ -594,7 +634,12 @@ class World:
         results: dict[int, Any] = {}
         deadline = pending.sent_at + pending.timeout
         expected = set(self.ranks)
+        stopping = False  # True once a rank raised and fail_fast cut the deadline short
         while set(results) != expected:
+            if not stopping and pending.fail_fast is not None:
+                if any(isinstance(o, RankFailure) and o.kind == "error" for o in results.values()):
+                    stopping = time.monotonic() + pending.fail_fast < deadline
+                    deadline = min(deadline, time.monotonic() + pending.fail_fast)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -628,7 +673,16 @@ class World:
                 )
         missing = sorted(expected - set(results))
         died = [r for r, o in results.items() if isinstance(o, RankFailure) and o.kind == "died"]
-        if missing:
+        if missing and stopping:
+            for r in missing:
+                results[r] = RankFailure(
+                    r,
+                    "stopped",
+                    "Stopped",
+                    f"stopped {pending.fail_fast:g} s after another rank's body raised",
+                    elapsed=time.monotonic() - pending.sent_at,
+                )
+        elif missing:
             self._dump_stacks(missing)
             for r in missing:
                 results[r] = RankFailure(

@@ -28,6 +28,13 @@ def _unsupported_features() -> dict[str, str]:
             "message is larger than the receive buffer; make sender and receiver agree on sizes"
         )
     }
+    size_check["p2p_dtype_check"] = (
+        "gloo moves bytes: a receive into another dtype of the same byte size reinterprets them"
+    )
+    size_check["timeout_names_ranks"] = (
+        "gloo's timeouts say 'Timed out waiting Nms for recv operation' (or, once a peer gave up, "
+        "'Connection closed by peer'), never which ranks did not arrive"
+    )
     if flag(_CHECK_ENV):
         return size_check
     return {

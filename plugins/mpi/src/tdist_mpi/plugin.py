@@ -41,7 +41,13 @@ def _spec() -> BackendSpec:
     operations = {"cpu": _OPS}
     if reason is None and cuda_aware():
         operations["cuda"] = _OPS
-    unsupported = {}
+    unsupported = {
+        "timeout_names_ranks": "an MPI request that did not complete does not tell which ranks have not arrived",
+        "p2p_dtype_check": (
+            "MPI checks a message's size, not its datatype: a receive into another dtype of the same "
+            "byte size reinterprets the bytes"
+        ),
+    }
     if not check_collectives_default():
         unsupported["collective_mismatch"] = (
             "MPI does not detect ranks issuing different collectives (op, dtype, root); "
