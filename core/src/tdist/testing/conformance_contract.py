@@ -165,21 +165,8 @@ def send_buffer_reusable():
 def recv_wrong_size_fails():
     """recv into a buffer smaller or larger than the message raises instead of truncating or padding."""
     torch = _torch()
-    r = dist.get_rank()
     for numel in (4, 16):  # the message has 8 elements
-        pair = cached_group([0, 1])  # a group of its own: the failure may break it
-        if r == 0:
-            w = dist.isend(torch.ones(8), dst=1, group=pair)
-        elif r == 1:
-            with raises(Exception, what=f"recv of an 8-element message into {numel} elements"):
-                dist.recv(torch.zeros(numel), src=0, group=pair)
-        dist.barrier()
-        if r == 0:
-            try:
-                w.wait(timeout=_seconds(5))
-            except Exception:
-                pass  # the sender may see the receiver's refusal
-        _forget(pair, [0, 1])
+        _recv_must_refuse(torch.ones(8), torch.zeros(numel), f"recv of an 8-element message into {numel} elements")
 
 
 @body(min_world_size=2, timeout=60, requires=("p2p_dtype_check",))
@@ -187,14 +174,23 @@ def recv_wrong_dtype_fails():
     """recv into a buffer of another dtype with the message's byte size (int32 into float32)
     raises instead of reinterpreting the bytes."""
     torch = _torch()
+    _recv_must_refuse(
+        torch.ones(8, dtype=torch.int32),
+        torch.zeros(8),
+        "recv of an int32 message into a float32 buffer of the same byte size",
+    )
+
+
+def _recv_must_refuse(message: Any, buffer: Any, what: str) -> None:
+    """Rank 0 sends ``message`` to rank 1, whose recv into ``buffer`` must raise; on a pair
+    group of its own (the failure may break it), destroyed afterwards."""
     r = dist.get_rank()
-    pair = cached_group([0, 1])  # a group of its own: the failure may break it
+    pair = cached_group([0, 1])
     if r == 0:
-        w = dist.isend(torch.ones(8, dtype=torch.int32), dst=1, group=pair)
+        w = dist.isend(message, dst=1, group=pair)
     elif r == 1:
-        got = torch.zeros(8)
-        with raises(Exception, what="recv of an int32 message into a float32 buffer of the same byte size"):
-            dist.recv(got, src=0, group=pair)
+        with raises(Exception, what=what):
+            dist.recv(buffer, src=0, group=pair)
     dist.barrier()
     if r == 0:
         try:
