@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import pkgutil
+import re
 import shutil
 import subprocess
 import types
@@ -243,3 +244,25 @@ def test_one_flag_parser_for_every_boolean_setting(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("TDIST_GLOO_CHECK_COLLECTIVES", "enabled")
     with pytest.raises(ValueError, match="TDIST_GLOO_CHECK_COLLECTIVES='enabled'"):
         _unsupported_features()
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"factory": lambda store, rank: None}, "does not accept the keyword(s) world_size, timeout, options"),
+        ({"factory": lambda *, device, **kw: None}, "factory requires device, which the core never passes"),
+        ({"available": False}, "available must be None (usable) or the reason it is not, a string; got False"),
+        ({"available": ""}, "available must be None"),
+    ],
+)
+def test_a_spec_whose_factory_or_availability_breaks_the_contract_is_refused(fields, problem):
+    spec = {"name": "bad", "factory": lambda **kw: None, "operations": {"cpu": frozenset({"barrier"})}, **fields}
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        tdist.BackendSpec(**spec)
+
+
+def test_documented_factory_signatures_are_accepted():
+    def keywords(*, store, rank, world_size, timeout, options, global_ranks, secret):  # noqa: ANN001, ANN202
+        return None
+
+    tdist.BackendSpec(name="ok", factory=keywords, operations={"cpu": frozenset()})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import difflib
+import inspect
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence
@@ -109,9 +110,10 @@ class BackendSpec:
     it cannot. ``extra["unsupported"]`` maps :data:`FEATURES` keys the backend lacks
     to why.
 
-    The capability keys (operation names, ``unsupported`` keys, the launcher) are
-    checked when the spec is made: a misspelled one is a :class:`ValueError` that
-    names it, so the plugin is refused at registration instead of misreporting.
+    The capability keys (operation names, ``unsupported`` keys, the launcher), the
+    factory's keywords (:data:`FACTORY_KEYWORDS`, or ``**kwargs``) and ``available`` are
+    checked when the spec is made: a wrong one is a :class:`ValueError` that names it,
+    so the plugin is refused at registration instead of failing later.
     """
 
     name: str
@@ -154,6 +156,10 @@ def _spec_problems(spec: BackendSpec) -> list[str]:
         problems.append("name must be a non-empty string")
     if not callable(spec.factory):
         problems.append("factory is not callable")
+    else:
+        problems += _factory_problems(spec.factory)
+    if spec.available is not None and (not isinstance(spec.available, str) or not spec.available):
+        problems.append(f"available must be None (usable) or the reason it is not, a string; got {spec.available!r}")
     known_ops = (*OPERATIONS, ANY_SOURCE_OP)
     for device, ops in spec.operations.items():
         if not isinstance(device, str) or not device:
@@ -180,6 +186,35 @@ def _spec_problems(spec: BackendSpec) -> list[str]:
             f"unknown unsupported feature(s): {', '.join(bad)} (known: {', '.join(FEATURES)}, "
             "reduce_op.<NAME>, dtype.<name>)"
         )
+    return problems
+
+
+#: The keywords the core passes every factory (``secret`` only to one that declares it).
+FACTORY_KEYWORDS = ("store", "rank", "world_size", "timeout", "options", "global_ranks")
+
+
+def _factory_problems(factory: Callable[..., Any]) -> list[str]:
+    """What keeps ``factory`` from being called the documented way (keywords only)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): trust it
+        return []
+    keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    named = {p.name for p in parameters if p.kind in keyword}
+    problems = []
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        missing = [k for k in FACTORY_KEYWORDS if k not in named]
+        if missing:
+            problems.append(f"factory does not accept the keyword(s) {', '.join(missing)} (nor **kwargs)")
+    extra = [
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty
+        and p.name not in (*FACTORY_KEYWORDS, "secret")
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if extra:
+        problems.append(f"factory requires {', '.join(extra)}, which the core never passes")
     return problems
 
 
