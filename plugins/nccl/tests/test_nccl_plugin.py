@@ -51,7 +51,14 @@ def test_operations_table_cuda_only_without_any_source():
     assert spec.operations["cuda"] == frozenset(tdist.OPERATIONS)
     assert not spec.supports(tdist.ANY_SOURCE_OP, "cuda")
     assert not spec.supports("all_reduce", "cpu")
-    assert set(spec.extra["unsupported"]) == {"p2p_tags"} and spec.extra["options"] == ("device_id",)
+    assert set(spec.extra["unsupported"]) == {
+        "p2p_tags",
+        "dtype.int16",
+        "reduce_op.BAND",
+        "reduce_op.BOR",
+        "reduce_op.BXOR",
+    }
+    assert spec.extra["options"] == ("device_id",)
 
 
 def test_unavailable_without_cupy(monkeypatch):

@@ -73,6 +73,7 @@ TORCH_BACKENDS: dict[str, dict[str, Any]] = {
             "p2p_dtype_check": "torch gloo moves bytes: a receive into another dtype of the same size reinterprets them",
             "timeout_names_ranks": "torch gloo: 'Timed out waiting 2000ms for recv operation', naming no rank",
             "reduce_op.PREMUL_SUM": "torch gloo: 'Cannot use ReduceOp.PREMUL_SUM with Gloo'",
+            "dtype.int16": "torch gloo has no int16 reductions: 'Invalid scalar type'",
             "multigpu": "torch.distributed 2.x removed the *_multigpu functions",
         },
     },

@@ -37,6 +37,8 @@ __all__ = [
 
 #: Seconds the late ranks wait before joining: a call that must not block returns well before.
 PEER_DELAY = 1.5
+#: Seconds a Work whose peers have all joined may take to complete without wait().
+COMPLETION_LIMIT = 10.0
 
 
 def _torch() -> Any:
@@ -255,9 +257,12 @@ def is_completed_means_done():
     numel = 1 << 19
     t = torch.full((numel,), float(r))
     w = dist.all_reduce(t, async_op=True)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + COMPLETION_LIMIT
     while not w.is_completed():
-        assert_true(time.monotonic() < deadline, "an all_reduce never reported completion without wait()")
+        assert_true(
+            time.monotonic() < deadline,
+            f"an all_reduce never reported completion without wait() ({COMPLETION_LIMIT:g} s)",
+        )
         time.sleep(0.001)
     expected = float(n * (n - 1) / 2)
     bad = int((t != expected).sum())
@@ -266,8 +271,12 @@ def is_completed_means_done():
     if r == 1:
         got = torch.zeros(numel)
         w = dist.irecv(got, src=0)
+        deadline = time.monotonic() + COMPLETION_LIMIT
         while not w.is_completed():
-            assert_true(time.monotonic() < deadline, "an irecv never reported completion without wait()")
+            assert_true(
+                time.monotonic() < deadline,
+                f"an irecv never reported completion without wait() ({COMPLETION_LIMIT:g} s)",
+            )
             time.sleep(0.001)
         bad = int((got != 4.0).sum())
         assert_true(bad == 0, f"irecv's is_completed() was True while {bad} of {numel} values had not arrived")
@@ -352,10 +361,13 @@ def concurrent_threads():
         threads = [threading.Thread(target=guarded(job), daemon=True) for job in jobs]
         for th in threads:
             th.start()
-    for k in range(10):
-        t = torch.full((7,), float(k))
-        dist.all_reduce(t)
-        assert_tensor(t, torch.full((7,), float(n * k)), f"world all_reduce #{k} during the threads' traffic")
+    try:
+        for k in range(10):
+            t = torch.full((7,), float(k))
+            dist.all_reduce(t)
+            assert_tensor(t, torch.full((7,), float(n * k)), f"world all_reduce #{k} during the threads' traffic")
+    except Exception as exc:
+        raise AssertionError(f"rank {r}: concurrent operations failed: the main thread's {exc!r}") from exc
     for th in threads:
         th.join(90)
         assert_true(not th.is_alive(), "a thread issuing operations concurrently never finished (hang)")

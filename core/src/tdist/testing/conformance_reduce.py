@@ -3,7 +3,8 @@ and reduce_scatter_tensor; AVG; PREMUL_SUM; invalid operator/dtype pairs raise
 before any communication.
 
 Inputs are small integers (sign alternating for signed types) so that every
-result is exact even in float16/bfloat16 and products stay in range; expected
+result is exact even in float16/bfloat16 and products stay in range (int8 and
+uint8 sums and products wrap past 4 ranks, as the expected values do); expected
 values are computed on the rank from every rank's (deterministic) input.
 """
 
@@ -12,13 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from ._registry import body
+from .capabilities import supports
 from .helpers import DTYPES, assert_tensor, check_world_works, dist, dtype_of, is_tdist, raises
 
 __all__ = ["reduce_ops", "reduce_avg", "reduce_premul_sum", "reduce_invalid_op_dtype"]
 
 _COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter_tensor")
 _FLOATS = ("float32", "float64", "float16", "bfloat16")
-_INTS = ("int32", "int64")
+_INTS = ("int32", "int64", "int16", "int8", "uint8")
+_UNSIGNED = ("uint8",)
 _LEN = 6  # elements per rank (per chunk for reduce_scatter_tensor)
 
 
@@ -58,7 +61,8 @@ def rank_input(rank: int, dtype: str, numel: int) -> Any:
         return torch.complex((mag * sign).to(torch.float32), (mag - 2).to(torch.float32))
     if dtype in _INTS:
         bits = (i * 5 + rank * 3) % 16 + 1
-        return torch.where(i % 2 == 0, mag * sign, bits).to(dtype_of(dtype))
+        value = mag if dtype in _UNSIGNED else mag * sign
+        return torch.where(i % 2 == 0, value, bits).to(dtype_of(dtype))
     return (mag * sign).to(dtype_of(dtype))
 
 
@@ -126,8 +130,16 @@ def _dtype_requires(dtype: str, collective: str = "all_reduce") -> list:
     requires=lambda dtype, collective: _dtype_requires(dtype, collective),
 )
 def reduce_ops(dtype: str = "float32", collective: str = "all_reduce"):
-    """Every operator valid on ``dtype`` gives the exact reduction; invalid ones raise first."""
+    """Every operator valid on ``dtype`` gives the exact reduction; invalid ones raise first.
+    An operator the backend declares unsupported (``reduce_op.<NAME>``) must raise too."""
+    problems = []
     for op in valid_ops(dtype):
+        if not supports(f"reduce_op.{op}"):
+            try:
+                _expect_invalid(collective, op, dtype)
+            except AssertionError as exc:
+                problems.append(f"{exc} (the backend declares reduce_op.{op} unsupported: the declaration is wrong)")
+            continue
         _run(
             collective,
             getattr(dist.ReduceOp, op),
@@ -135,14 +147,13 @@ def reduce_ops(dtype: str = "float32", collective: str = "all_reduce"):
             f"{collective} {op} on {dtype}",
             expect=lambda xs, op=op: expected_reduction(xs, op, dtype),
         )
-    problems = []
     for op in invalid_ops(dtype):
         try:
             _expect_invalid(collective, op, dtype)
         except AssertionError as exc:
             problems.append(str(exc))
     check_world_works(f"{collective} on {dtype}")
-    assert not problems, "invalid operator/dtype pairs not rejected:\n  " + "\n  ".join(problems)
+    assert not problems, "operator/dtype pairs that must raise did not:\n  " + "\n  ".join(problems)
 
 
 def _expect_invalid(collective: str, op_name: str, dtype: str) -> None:
@@ -213,7 +224,7 @@ def reduce_premul_sum(dtype: str = "float32", collective: str = "all_reduce"):
     check_world_works(f"PREMUL_SUM on {dtype}")
 
 
-@body(params=[{"dtype": d} for d in ("int32", "int64", "bool")])
+@body(params=[{"dtype": d} for d in (*_INTS, "bool")])
 def reduce_invalid_op_dtype(dtype: str = "int32"):
     """AVG on integers/bool raises on every rank, and the world keeps working."""
     r = dist.get_rank()

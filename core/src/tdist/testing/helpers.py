@@ -72,7 +72,19 @@ def dtype_of(name: str) -> Any:
 
 
 #: The dtypes every reduction is checked on (names, so they can be test ids).
-DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16", "bool", "complex64")
+DTYPES = (
+    "float32",
+    "float64",
+    "int32",
+    "int64",
+    "int16",
+    "int8",
+    "uint8",
+    "float16",
+    "bfloat16",
+    "bool",
+    "complex64",
+)
 
 
 class raises:

@@ -42,7 +42,11 @@ def _spec() -> BackendSpec:
         extra={
             "options": ("device_id",),
             # finer features the conformance kit asks about (tdist.testing.capabilities)
-            "unsupported": {"p2p_tags": "NCCL has no message tags: messages between two ranks match in order"},
+            "unsupported": {
+                "p2p_tags": "NCCL has no message tags: messages between two ranks match in order",
+                "dtype.int16": "NCCL has no 16-bit integer type",
+                **{f"reduce_op.{op}": "NCCL has no bitwise reductions" for op in ("BAND", "BOR", "BXOR")},
+            },
         },
     )
 
