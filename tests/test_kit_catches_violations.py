@@ -13,6 +13,7 @@ fails is the violation and not the wrapper.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -109,9 +110,21 @@ def test_nothing_broken_passes(site: Path, tmp_path: Path) -> None:
         assert " passed" in out and "failed" not in out, out[-3000:]
 
 
+@pytest.fixture(scope="module")
+def reports(site: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str]]:
+    """Every case's kit run, three at a time (they mostly wait: for timeouts, late peers)."""
+
+    def run(case: Case) -> tuple[int, str]:
+        where = tmp_path_factory.mktemp(case.violation)
+        return _kit(site, where, case.violation, case.select, case.suite, case.sizes)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        return dict(zip([c.violation for c in CASES], pool.map(run, CASES)))
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.violation for c in CASES])
-def test_kit_fails_the_violation(site: Path, tmp_path: Path, case: Case) -> None:
-    rc, out = _kit(site, tmp_path, case.violation, case.select, case.suite, case.sizes)
+def test_kit_fails_the_violation(reports: dict[str, tuple[int, str]], case: Case) -> None:
+    rc, out = reports[case.violation]
     assert rc == 1, (
         f"TDIST_BROKEN={case.violation} ({VIOLATIONS[case.violation]}): the kit did not fail:\n{out[-6000:]}"
     )
