@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 import subprocess
 import sys
 import types
@@ -270,6 +271,7 @@ def _observe_contract_1_1() -> dict:
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
     tdist.broadcast(t, src=1)
     tdist.send(t, 1, tag=7) if rank == 0 else tdist.recv(t, 0, tag=7)
+    tdist.monitored_barrier(timeout=timedelta(seconds=20))  # runs in the core, through the store
     with pytest.raises(ValueError):
         tdist.broadcast(t, src=5)  # rejected before any communication
     pair = tdist.new_group([0, 1])
@@ -288,6 +290,45 @@ def test_contract_1_1_workinfo_fields_group_hooks_and_rejected_ops_with_old_obse
         assert issued[0] == ("all_reduce", rank, (0, 1), "MAX", None, None, None, "torch.float64"), issued
         assert issued[1] == ("broadcast", rank, (0, 1), None, 1, None, None, "torch.float64"), issued
         assert issued[2] == ("send" if rank == 0 else "recv", rank, (0, 1), None, None, 1 - rank, 7, "torch.float64")
+        assert issued[3] == ("monitored_barrier", rank, (0, 1), None, None, None, None, ""), issued
         assert seen[rank]["failed"] == [("broadcast", 0, "pg0", "ValueError", 0.0)], seen[rank]
         assert seen[rank]["old"] == [("broadcast", str(seen[rank]["old"][0][1]))] and len(seen[rank]["old"]) == 1
         assert seen[rank]["groups"] == [("created", "pg1", [0, 1], rank, "tcp"), ("destroyed", "pg1", [0, 1])]
+
+
+def _observe_through_torch() -> list:
+    """Issue operations through torch.distributed's API (tdist's group is torch's default
+    group): the work hooks get their reduction, root, peer and tag as through tdist's."""
+    import torch
+    import torch.distributed as torch_dist
+
+    from tdist._plugins import plugins
+
+    seen: list = []
+    observer = types.ModuleType("bridge_observer")
+    observer.TDIST_HOOKSPEC_VERSION = "1.1"
+    observer.tdist_work_issued = tdist.hookimpl(
+        lambda info: seen.append((info.op, info.reduce_op, info.root, info.peer, info.tag))
+    )
+    plugins().register(observer, "bridge_observer")
+    rank, t = tdist.get_rank(), torch.ones(2)
+    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+    torch_dist.broadcast(t, src=1)
+    torch_dist.reduce(t, dst=1, op=torch_dist.ReduceOp.MIN)
+    torch_dist.send(t, 1, tag=3) if rank == 0 else torch_dist.recv(t, 0, tag=3)
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_operations_through_torchs_api_are_described_to_the_hooks():
+    from tdist.testing import World
+
+    with World.spawn("tcp", 2, pg_timeout=30) as world:
+        seen = world.run(_observe_through_torch, timeout=60)
+    for rank in (0, 1):
+        assert seen[rank] == [
+            ("all_reduce", "MAX", None, None, None),
+            ("broadcast", None, 1, None, None),
+            ("reduce", "MIN", 1, None, None),
+            ("send" if rank == 0 else "recv", None, None, 1 - rank, 3),
+        ], seen[rank]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from ._dispatch import contiguous_view, device_of, device_type, issue
 from ._errors import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError
 from ._groups import resolve_group, warn_not_member
-from ._observe import rejected
+from ._observe import rejected, run_observed
 from ._reduce_op import ReduceOp, as_reduction
 from ._validate import (
     check_all_to_all_splits,
@@ -376,16 +376,29 @@ def barrier(
     return issue(pg, "barrier", device, lambda b: b.barrier(), async_op, wait_timeout=timeout)
 
 
+@rejected("monitored_barrier")
 def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False) -> None:
     """A barrier through the store that, when some rank does not arrive within
     ``timeout``, raises on rank 0 naming the missing rank (all of them with
-    ``wait_all_ranks``) and makes the other ranks raise too. Works with every backend."""
+    ``wait_all_ranks``) and makes the other ranks raise too. Works with every backend;
+    the work hooks see it as the operation ``monitored_barrier``."""
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"monitored_barrier: timeout must be a datetime.timedelta, got {type(timeout).__name__}")
     pg = resolve_group(group)
     if pg is None:
         warn_not_member("monitored_barrier")
         return None
     limit = (timeout or pg.timeout).total_seconds()
-    key = f"monitored_barrier/{pg.next_seq()}"
+    seq = pg.next_seq()
+    run_observed(
+        pg, "monitored_barrier", seq, lambda: _monitored_barrier(pg, f"monitored_barrier/{seq}", limit, wait_all_ranks)
+    )
+    return None
+
+
+def _monitored_barrier(pg: Any, key: str, limit: float, wait_all_ranks: bool) -> None:
+    """Rank 0 waits for every other rank's arrival key, then releases them with "ok" or
+    with the message naming the missing ranks."""
     store = pg.store
     if pg.rank != 0:
         store.set(f"{key}/arrived/{pg.rank}", b"1")
@@ -397,7 +410,7 @@ def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None, wa
             ) from None
         if verdict != b"ok":
             raise DistBackendError(verdict.decode())
-        return None
+        return
     deadline = time.monotonic() + limit
     missing: list[int] = []
     for member in range(1, pg.size):
@@ -413,7 +426,6 @@ def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None, wa
         store.set(f"{key}/release", message.encode())
         raise DistBackendTimeoutError(message)
     store.set(f"{key}/release", b"ok")
-    return None
 
 
 #: torch.distributed's other names for the single-tensor forms.

@@ -3,7 +3,7 @@
 :func:`describe` builds the :class:`WorkInfo` of an operation; :func:`issued` fires
 ``tdist_work_issued``; :func:`completed` fires ``tdist_work_completed`` (a blocking call
 that returned); :func:`watch` fires either completion hook once an asynchronous Work is
-done; :func:`failed` reports an operation that failed outside its Work (the backend
+done; :func:`run_observed` fires them around an operation the core runs itself; :func:`failed` reports an operation that failed outside its Work (the backend
 raised while issuing it, or a blocking wait timed out); :func:`rejected` wraps a public
 operation so that an error raised before the operation was issued (bad arguments)
 reaches ``tdist_work_failed`` too. With no plugin observing work, none of this costs
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ._groups import ProcessGroup
     from ._work import Work
 
-__all__ = ["describe", "issued", "completed", "watch", "failed", "rejected"]
+__all__ = ["describe", "issued", "completed", "run_observed", "watch", "failed", "rejected"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 #: Set on an error the hooks have seen, so that :func:`rejected` does not report it again.
@@ -102,6 +102,22 @@ def issued(info: WorkInfo) -> None:
 def completed(info: WorkInfo) -> None:
     """Fire ``tdist_work_completed`` for an operation that has just succeeded."""
     plugins().work_completed(info, time.perf_counter() - info.issued_at)
+
+
+def run_observed(pg: "ProcessGroup", operation: str, seq: int, run: Callable[[], None]) -> None:
+    """Run ``operation``, which the core performs itself (no backend, no tensors: e.g.
+    ``monitored_barrier`` through the store), firing the work hooks around it."""
+    if not plugins().observes_work:
+        run()
+        return
+    info = describe(pg, operation, seq, ())
+    issued(info)
+    try:
+        run()
+    except Exception as error:
+        failed(info, error)
+        raise
+    completed(info)
 
 
 def watch(work: "Work", info: WorkInfo) -> None:

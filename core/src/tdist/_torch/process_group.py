@@ -219,10 +219,16 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         tensors: Sequence[torch.Tensor],
         copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
         opts: Any = None,
+        *,
+        reduction: Any = None,
+        root: Optional[int] = None,
+        peer: Optional[int] = None,
+        tag: Optional[int] = None,
     ) -> BridgeWork:
         """Issue ``call`` on the tdist group. torch's blocking calls (``opts.asyncOp`` False:
-        torch waits at once and drops the Work) wait here and get a shared finished Work."""
-        work = issue(self.tdist_group, operation, device, call, True, copies, tensors)
+        torch waits at once and drops the Work) wait here and get a shared finished Work.
+        ``reduction``, ``root``/``peer`` (group ranks) and ``tag`` describe it to the work hooks."""
+        work = issue(self.tdist_group, operation, device, call, True, copies, tensors, reduction, root, peer, tag)
         assert work is not None
         if opts is not None and not opts.asyncOp:
             work.wait()
@@ -263,15 +269,15 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
             (tensor,),
             copies,
             opts,
+            reduction=reduction,
         )
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
         checked = check_tensor_list("all_reduce_coalesced", "tensors", tensors, same_numel=False)
         reduction = checked_reduction(opts, checked[0].dtype, "all_reduce_coalesced")
         flat = torch.cat([t.reshape(-1) for t in checked])
-        work = issue(
-            self.tdist_group, "all_reduce", _device(flat), lambda b: b.all_reduce(flat, reduction), True, (), (flat,)
-        )
+        call = lambda b: b.all_reduce(flat, reduction)  # noqa: E731
+        work = issue(self.tdist_group, "all_reduce", _device(flat), call, True, (), (flat,), reduction)
         assert work is not None
         return self._bridge(StagedWork(work, list(zip(checked, _pieces(flat, checked)))), tensors, (flat,))
 
@@ -280,7 +286,8 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         root = check_root("broadcast", self.tdist_group, "src", opts.rootRank if opts is not None else 0)
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
-        return self._run("broadcast", _device(tensor), lambda b: b.broadcast(t, root), tensors, (tensor,), copies, opts)
+        call = lambda b: b.broadcast(t, root)  # noqa: E731
+        return self._run("broadcast", _device(tensor), call, tensors, (tensor,), copies, opts, root=root)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:  # type: ignore[override]
         tensor = _one(tensors, "reduce")
@@ -288,8 +295,9 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         root = check_root("reduce", self.tdist_group, "dst", opts.rootRank if opts is not None else 0)
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
+        call = lambda b: b.reduce(t, root, reduction)  # noqa: E731
         return self._run(
-            "reduce", _device(tensor), lambda b: b.reduce(t, root, reduction), tensors, (tensor,), copies, opts
+            "reduce", _device(tensor), call, tensors, (tensor,), copies, opts, reduction=reduction, root=root
         )
 
     def allgather(  # type: ignore[override]
@@ -372,9 +380,8 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         copies: list = []
         staged = None if outputs is None else [contiguous_view(o, copies, output=True) for o in outputs]
         t = contiguous_view(tensor, None, output=False)
-        return self._run(
-            "gather", _device(tensor), lambda b: b.gather(t, staged, root), output_tensors, (tensor,), copies, opts
-        )
+        call = lambda b: b.gather(t, staged, root)  # noqa: E731
+        return self._run("gather", _device(tensor), call, output_tensors, (tensor,), copies, opts, root=root)
 
     def scatter(  # type: ignore[override]
         self,
@@ -388,9 +395,8 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         inputs = None if checked is None else [contiguous_view(i, None, output=False) for i in checked]
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
-        return self._run(
-            "scatter", _device(tensor), lambda b: b.scatter(t, inputs, root), output_tensors, (tensor,), copies, opts
-        )
+        call = lambda b: b.scatter(t, inputs, root)  # noqa: E731
+        return self._run("scatter", _device(tensor), call, output_tensors, (tensor,), copies, opts, root=root)
 
     def reduce_scatter(  # type: ignore[override]
         self,
@@ -414,6 +420,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
             (output,),
             copies,
             opts,
+            reduction=reduction,
         )
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> BridgeWork:
@@ -431,6 +438,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
             (input,),
             copies,
             opts,
+            reduction=reduction,
         )
 
     def reduce_scatter_single_coalesced(
@@ -509,14 +517,15 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         tensor = _one(tensors, "send")
         dst = check_root("send", self.tdist_group, "dst", dstRank, allow_self=False)
         t = contiguous_view(tensor, None, output=False)
-        return self._run("send", _device(tensor), lambda b: b.send(t, dst, tag), tensors, (tensor,))
+        return self._run("send", _device(tensor), lambda b: b.send(t, dst, tag), tensors, (tensor,), peer=dst, tag=tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> BridgeWork:  # noqa: N803
         tensor = _one(tensors, "recv")
         src = check_root("recv", self.tdist_group, "src", srcRank, allow_self=False)
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
-        return self._run("recv", _device(tensor), lambda b: b.recv(t, src, tag), tensors, (tensor,), copies)
+        call = lambda b: b.recv(t, src, tag)  # noqa: E731
+        return self._run("recv", _device(tensor), call, tensors, (tensor,), copies, peer=src, tag=tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> BridgeWork:
         tensor = _one(tensors, "recv")
@@ -525,7 +534,7 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
             raise ValueError("recv: src=None in a group of one rank: there is no other rank to receive from")
         copies: list = []
         t = contiguous_view(tensor, copies, output=True)
-        return self._run("recv", _device(tensor), lambda b: b.recv(t, None, tag), tensors, (tensor,), copies)
+        return self._run("recv", _device(tensor), lambda b: b.recv(t, None, tag), tensors, (tensor,), copies, tag=tag)
 
     # ------------------------------------------------------------- coalescing
     def _start_coalescing(self, device: Any) -> None:
