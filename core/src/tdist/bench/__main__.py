@@ -192,6 +192,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     return _collectives(args, argv)
 
 
+def _needs_mpirun(name: str) -> bool:
+    """Whether the bench's backend ``name`` is a tdist backend whose ranks must share one
+    ``mpirun`` (its ``BackendSpec.launcher``)."""
+    if name in ("gloo", "mpi"):  # torch's gloo and raw mpi4py, not tdist backends
+        return False
+    import tdist
+
+    from .workers import tdist_backend_name
+
+    try:
+        return tdist.get_backend_spec(tdist_backend_name(name)).launcher == "mpirun"
+    except tdist.DistError:
+        return False  # not installed: the worker says so
+
+
 def _collectives(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]
@@ -209,9 +224,10 @@ def _collectives(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     if not use_mpi and "mpi" in backends:
         print(f"tdist.bench: raw MPI not measured ({why})", file=sys.stderr)
         backends = [b for b in backends if b != "mpi"]
-    if "tdist-mpi" in backends and not use_mpi:
-        print("tdist.bench: tdist-mpi needs mpirun; skipped", file=sys.stderr)
-        backends = [b for b in backends if b != "tdist-mpi"]
+    if not use_mpi:
+        for name in [b for b in backends if _needs_mpirun(b)]:
+            print(f"tdist.bench: {name} needs mpirun ({why}); skipped", file=sys.stderr)
+            backends.remove(name)
     cfg = {
         "ops": ops,
         "sizes": sizes,

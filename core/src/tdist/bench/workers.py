@@ -265,6 +265,13 @@ class MpiAdapter(Adapter):
         raise ValueError(f"unknown operation {op!r}")
 
 
+def tdist_backend_name(name: str) -> str:
+    """The tdist backend a bench column names: "tdist-gloo" -> "gloo", "tcp+tls" -> "tcp"
+    (a variant of "tcp" with other options)."""
+    backend = name[len("tdist-") :] if name.startswith("tdist-") else name
+    return backend.partition("+")[0]
+
+
 def make_adapters(cfg: dict, rank: int, world: int, under_mpi: bool) -> tuple[list[Adapter], Any]:
     """The adapters named in ``cfg["backends"]`` (in that order) and the control group
     (torch.distributed gloo, always set up: it also times and agrees on counts)."""
@@ -283,11 +290,11 @@ def make_adapters(cfg: dict, rank: int, world: int, under_mpi: bool) -> tuple[li
         else:  # "tcp", "tdist-gloo", "tdist-mpi", ... : a tdist backend
             import tdist
 
-            backend = name[len("tdist-") :] if name.startswith("tdist-") else name
-            backend = backend.partition("+")[0]  # "tcp+tls": a variant of "tcp" with other options
+            backend = tdist_backend_name(name)
             options = cfg.get("options", {}).get(name) or None
             if tdist_default is None:
-                init = "mpi://" if backend == "mpi" else f"tcp://127.0.0.1:{cfg['ports']['tdist']}"
+                spec = tdist.get_backend_spec(backend)
+                init = spec.default_init_method or f"tcp://127.0.0.1:{cfg['ports']['tdist']}"
                 tdist.init_process_group(
                     backend,
                     init_method=init,
