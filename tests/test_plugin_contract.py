@@ -266,3 +266,19 @@ def test_documented_factory_signatures_are_accepted():
         return None
 
     tdist.BackendSpec(name="ok", factory=keywords, operations={"cpu": frozenset()})
+
+
+def test_backend_error_maps_a_librarys_exception():
+    from tdist.plugin import DistBackendError, DistBackendTimeoutError, backend_error
+
+    original = RuntimeError("[gloo] Timed out waiting 2000ms for recv operation")
+    error = backend_error("gloo", "all_reduce", original)
+    assert type(error) is DistBackendTimeoutError and error.__cause__ is original
+    assert str(error) == "all_reduce: backend 'gloo' failed: [gloo] Timed out waiting 2000ms for recv operation"
+    assert isinstance(backend_error("x", "op", TimeoutError()), DistBackendTimeoutError)
+    other = backend_error("mpi", "send", ValueError("bad rank"), "MPI_ERR_RANK (MPI error class 6)")
+    assert (
+        type(other) is DistBackendError and str(other) == "send: backend 'mpi' failed: MPI_ERR_RANK (MPI error class 6)"
+    )
+    mine, interrupt = tdist.DistStateError("mine"), KeyboardInterrupt()
+    assert backend_error("x", "op", mine) is mine and backend_error("x", "op", interrupt) is interrupt

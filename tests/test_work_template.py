@@ -75,7 +75,7 @@ def test_a_subclass_implementing_poll_and_block_gets_wait_and_the_rest():
 
 def test_first_party_works_use_the_template():
     """No backend's Work rewrites ``wait``/``is_completed`` or skips ``Work.__init__``."""
-    from tdist_gloo.backend import GlooWork
+    from tdist_gloo.work import GlooWork
     from tdist_mpi._work import MPIWork
     from tdist_nccl.work import NcclWork
     from tdist_tcp.lanes import TcpWork

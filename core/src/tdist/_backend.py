@@ -27,7 +27,17 @@ from .reduction import combine_, prescaled
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Backend", "BackendSpec", "BackendFactory", "OPERATIONS", "ANY_SOURCE_OP", "FEATURES", "LAUNCHERS"]
+__all__ = [
+    "Backend",
+    "BackendSpec",
+    "BackendFactory",
+    "OPERATIONS",
+    "OPERATION_CODES",
+    "COLLECTIVES",
+    "ANY_SOURCE_OP",
+    "FEATURES",
+    "LAUNCHERS",
+]
 
 #: The operation names a :class:`BackendSpec` may declare per device type.
 OPERATIONS: tuple[str, ...] = (
@@ -46,6 +56,12 @@ OPERATIONS: tuple[str, ...] = (
     "reduce_scatter_tensor",
     "all_to_all_single",
 )
+#: The collective operations: :data:`OPERATIONS` without the point-to-point ones.
+COLLECTIVES: tuple[str, ...] = tuple(op for op in OPERATIONS if op not in ("send", "recv"))
+#: A small integer per operation name, its position in :data:`OPERATIONS` from 1 (0 is
+#: free for "none"): for wire formats and collective checks that carry the operation as
+#: a number. Stable: new operations are appended.
+OPERATION_CODES: Mapping[str, int] = {name: code for code, name in enumerate(OPERATIONS, start=1)}
 #: Declared in addition to "recv" by backends that can receive from any source.
 ANY_SOURCE_OP = "recv_anysource"
 
@@ -242,6 +258,10 @@ class Backend(abc.ABC):
     """
 
     name: str = "backend"
+    #: True: the core compares every collective of this backend's groups across ranks
+    #: before issuing it (one extra all-gather each; see ``TDIST_CHECK_COLLECTIVES``), so a
+    #: backend that cannot detect mismatched collectives itself can offer it as an option.
+    check_collectives: bool = False
 
     # torch.distributed.Backend's name constants, for programs that spell backends this way.
     TCP = "tcp"

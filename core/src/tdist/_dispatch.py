@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from ._backend import Backend
 from ._errors import DistBackendTimeoutError, DistError
 from ._groups import ProcessGroup
+from ._mismatch import check_collective
 from ._observe import completed, describe, failed, issued, watch
 from ._plugins import plugins
 from ._work import Timeout, Work, seconds
@@ -123,6 +124,8 @@ def issue(
     operation to the work hooks (ignored when none observe).
     """
     backend = pg.backend_for(device, operation)
+    if pg.check_collectives and operation not in POINT_TO_POINT:
+        check_collective(pg, backend, operation, device, tensors, reduction, root)
     seq = pg.next_p2p_seq() if operation in POINT_TO_POINT else pg.next_seq()
     if not plugins().observes_work:
         if async_op:

@@ -9,6 +9,8 @@ layer timed out; calls that do not fit the current state (before
 
 from __future__ import annotations
 
+from typing import Optional
+
 __all__ = [
     "DistError",
     "DistBackendError",
@@ -18,6 +20,7 @@ __all__ = [
     "DistStoreTimeoutError",
     "DistStateError",
     "NotInitializedAssertion",
+    "backend_error",
 ]
 
 
@@ -54,3 +57,26 @@ class DistStateError(DistError, ValueError):
 class NotInitializedAssertion(DistStateError, AssertionError):
     """``destroy_process_group()`` with nothing initialized: torch.distributed raises
     ``AssertionError`` there, so this is one too (and a :class:`DistStateError`)."""
+
+
+#: Words in a library's error message that mean it timed out.
+_TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded")
+
+
+def backend_error(backend: str, operation: str, exc: BaseException, detail: Optional[str] = None) -> BaseException:
+    """The tdist error for what a backend's library raised during ``operation``.
+
+    tdist errors and non-``Exception`` s (``KeyboardInterrupt``) come back unchanged. A
+    timeout (a ``TimeoutError``, or a message saying so) becomes
+    :class:`DistBackendTimeoutError`, anything else :class:`DistBackendError`, with the
+    message ``"<operation>: backend '<backend>' failed: <detail>"`` (``detail``: the
+    library's message by default) and ``exc`` as its ``__cause__``.
+    """
+    if isinstance(exc, DistError) or not isinstance(exc, Exception):
+        return exc
+    text = detail or str(exc).strip() or type(exc).__name__
+    timed_out = isinstance(exc, TimeoutError) or any(word in text.lower() for word in _TIMEOUT_WORDS)
+    cls = DistBackendTimeoutError if timed_out else DistBackendError
+    error = cls(f"{operation}: backend {backend!r} failed: {text}")
+    error.__cause__ = exc
+    return error

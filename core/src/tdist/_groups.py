@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ._backend import Backend, BackendSpec
 from ._errors import DistError, DistStateError
+from ._mismatch import checks_collectives
 
 if TYPE_CHECKING:
     from ._store.base import Store
@@ -70,6 +71,8 @@ class ProcessGroup:
         self._p2p_seqs = itertools.count(1)
         self._global_to_group = {g: i for i, g in enumerate(self.ranks)}
         self.torch_group: Any = None
+        #: compare every collective across ranks before issuing it (see :mod:`tdist._mismatch`)
+        self.check_collectives = checks_collectives(list(backends.values()))
 
     @property
     def handle(self) -> Any:

@@ -6,13 +6,15 @@ to this by a lint rule, ``ruff`` TID251, and by ``tests/test_plugin_contract.py`
 
 - registration: :data:`hookimpl`, :data:`HOOKSPEC_VERSION`, :class:`BackendRegistry`,
   :class:`RendezvousRegistry`, :class:`BackendSpec`, :class:`BackendFactory`,
-  :data:`OPERATIONS`, :data:`ANY_SOURCE_OP`, :data:`FEATURES`, :data:`LAUNCHERS`;
+  :data:`OPERATIONS`, :data:`OPERATION_CODES`, :data:`COLLECTIVES`, :data:`ANY_SOURCE_OP`,
+  :data:`FEATURES`, :data:`LAUNCHERS`;
 - the backend: :class:`Backend`, :class:`Work` (and :data:`Timeout`, :func:`seconds`);
 - observing: :class:`WorkInfo`;
 - reductions: :class:`ReduceOp`, :class:`Reduction`, :func:`check_reduction`,
   :func:`combine_`, :func:`prescale_`, :func:`prescaled`, :func:`finalize_`,
   :func:`premul_factor`;
-- errors: :class:`DistError` and its subclasses;
+- errors: :class:`DistError` and its subclasses, :func:`backend_error` (a library's
+  exception as the tdist error, timeouts told apart);
 - settings: :func:`flag` (boolean environment variables and ``pg_options``);
 - addresses: :func:`local_address_for`, :func:`store_endpoint`, :func:`route_address`
   (which local address reaches the job's store);
@@ -24,7 +26,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._backend import ANY_SOURCE_OP, FEATURES, LAUNCHERS, OPERATIONS, Backend, BackendFactory, BackendSpec
+from ._backend import (
+    ANY_SOURCE_OP,
+    COLLECTIVES,
+    FEATURES,
+    LAUNCHERS,
+    OPERATION_CODES,
+    OPERATIONS,
+    Backend,
+    BackendFactory,
+    BackendSpec,
+)
 from ._endpoint import local_address_for, route_address, store_endpoint
 from ._errors import (
     DistBackendError,
@@ -34,6 +46,7 @@ from ._errors import (
     DistStateError,
     DistStoreError,
     DistStoreTimeoutError,
+    backend_error,
 )
 from ._flags import flag
 from ._plugins import BackendRegistry, RendezvousHandler, RendezvousRegistry, WorkInfo, plugins
@@ -54,6 +67,8 @@ __all__ = [
     "BackendSpec",
     "BackendFactory",
     "OPERATIONS",
+    "OPERATION_CODES",
+    "COLLECTIVES",
     "ANY_SOURCE_OP",
     "FEATURES",
     "LAUNCHERS",
@@ -81,6 +96,7 @@ __all__ = [
     "DistStateError",
     "DistStoreError",
     "DistStoreTimeoutError",
+    "backend_error",
     # in-process registration
     "register_plugin",
     "registered_plugins",

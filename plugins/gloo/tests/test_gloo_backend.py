@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import tdist
-from tdist_gloo import backend as gb
+import tdist.plugin
+from tdist_gloo import devices, plans, work
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def world():
 # ------------------------------------------------------------------- errors
 def test_map_error_timeout():
     original = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation")
-    err = gb.map_error(original, "all_reduce")
+    err = work.map_error(original, "all_reduce")
     assert isinstance(err, tdist.DistBackendTimeoutError) and isinstance(err, TimeoutError)
     assert "all_reduce" in str(err) and "gloo" in str(err) and str(original) in str(err)
     assert err.__cause__ is original
@@ -34,15 +35,15 @@ def test_map_error_timeout():
 
 def test_map_error_other_failures():
     closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
-    err = gb.map_error(closed, "broadcast")
+    err = work.map_error(closed, "broadcast")
     assert type(err) is tdist.DistBackendError and str(closed) in str(err)
     dist_backend = torch.distributed.DistBackendError("NCCL-ish failure")
-    assert type(gb.map_error(dist_backend, "x")) is tdist.DistBackendError
-    assert isinstance(gb.map_error(TimeoutError("late"), "x"), tdist.DistBackendTimeoutError)
+    assert type(work.map_error(dist_backend, "x")) is tdist.DistBackendError
+    assert isinstance(work.map_error(TimeoutError("late"), "x"), tdist.DistBackendTimeoutError)
     mine = tdist.DistStoreTimeoutError("already tdist's")
-    assert gb.map_error(mine, "x") is mine
+    assert work.map_error(mine, "x") is mine
     interrupt = KeyboardInterrupt()
-    assert gb.map_error(interrupt, "x") is interrupt
+    assert work.map_error(interrupt, "x") is interrupt
 
 
 def test_failing_gloo_call_is_mapped(world):
@@ -67,19 +68,19 @@ def test_failing_gloo_call_is_mapped(world):
 @pytest.mark.parametrize(
     "op, dtype, kind",
     [
-        ("SUM", torch.float32, gb._NATIVE),
-        ("AVG", torch.bfloat16, gb._NATIVE),
-        ("BXOR", torch.bool, gb._NATIVE),
-        ("PRODUCT", torch.int16, gb._WIDEN),
-        ("MIN", torch.uint32, gb._WIDEN),
-        ("MAX", torch.uint64, gb._U64),
-        ("SUM", torch.float8_e5m2, gb._WIDEN),
-        ("SUM", torch.complex64, gb._REAL),
-        ("AVG", torch.complex128, gb._REAL),
+        ("SUM", torch.float32, plans.NATIVE),
+        ("AVG", torch.bfloat16, plans.NATIVE),
+        ("BXOR", torch.bool, plans.NATIVE),
+        ("PRODUCT", torch.int16, plans.WIDEN),
+        ("MIN", torch.uint32, plans.WIDEN),
+        ("MAX", torch.uint64, plans.U64),
+        ("SUM", torch.float8_e5m2, plans.WIDEN),
+        ("SUM", torch.complex64, plans.REAL),
+        ("AVG", torch.complex128, plans.REAL),
     ],
 )
 def test_plans(op, dtype, kind):
-    plan = gb._plan(getattr(tdist.ReduceOp, op), dtype, "all_reduce", None)
+    plan = plans.make_plan(getattr(tdist.ReduceOp, op), dtype, "all_reduce", None)
     assert plan.kind == kind
     assert plan.flip == (dtype == torch.uint64 and op in ("MIN", "MAX"))
 
@@ -100,7 +101,7 @@ def test_plans(op, dtype, kind):
 )
 def test_invalid_plans_name_operation_and_backend(op, dtype, factor):
     with pytest.raises(TypeError) as caught:
-        gb._plan(getattr(tdist.ReduceOp, op), dtype, "reduce", factor)
+        plans.make_plan(getattr(tdist.ReduceOp, op), dtype, "reduce", factor)
     message = str(caught.value)
     assert "reduce" in message and "gloo" in message and op in message
 
@@ -128,15 +129,17 @@ def test_invalid_reduction_raises_before_communicating(world):
 
 # ---------------------------------------------------------- network device
 def test_local_address_for_stores(tmp_path):
-    assert gb.local_address_for(tdist.HashStore()) == "127.0.0.1"
-    assert gb.local_address_for(tdist.PrefixStore("a", tdist.PrefixStore("b", tdist.HashStore()))) == "127.0.0.1"
+    assert tdist.plugin.local_address_for(tdist.HashStore()) == "127.0.0.1"
+    assert (
+        tdist.plugin.local_address_for(tdist.PrefixStore("a", tdist.PrefixStore("b", tdist.HashStore()))) == "127.0.0.1"
+    )
     store = tdist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
     try:
-        assert gb.local_address_for(tdist.PrefixStore("pg0", store)) == "127.0.0.1"
+        assert tdist.plugin.local_address_for(tdist.PrefixStore("pg0", store)) == "127.0.0.1"
     finally:
         store.close()
     file_store = tdist.FileStore(str(tmp_path / "store"), 1)
-    assert gb.local_address_for(file_store) is None
+    assert tdist.plugin.local_address_for(file_store) is None
 
 
 def test_route_to():
@@ -155,15 +158,15 @@ def test_route_to():
 
 def test_make_devices_options(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    assert len(gb.make_devices(tdist.HashStore(), {})) == 1
-    assert len(gb.make_devices(tdist.HashStore(), {"gloo_interface": "lo"})) == 1
-    assert len(gb.make_devices(tdist.HashStore(), {"gloo_interface": "lo,lo"})) == 2
-    assert len(gb.make_devices(tdist.HashStore(), {"gloo_hostname": "127.0.0.1"})) == 1
+    assert len(devices.make_devices(tdist.HashStore(), {})) == 1
+    assert len(devices.make_devices(tdist.HashStore(), {"gloo_interface": "lo"})) == 1
+    assert len(devices.make_devices(tdist.HashStore(), {"gloo_interface": "lo,lo"})) == 2
+    assert len(devices.make_devices(tdist.HashStore(), {"gloo_hostname": "127.0.0.1"})) == 1
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    assert len(gb.make_devices(tdist.HashStore(), {})) == 1
+    assert len(devices.make_devices(tdist.HashStore(), {})) == 1
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface0")
     with pytest.raises(RuntimeError):
-        gb.make_devices(tdist.HashStore(), {})
+        devices.make_devices(tdist.HashStore(), {})
 
 
 # ------------------------------------------------------------ world of one

@@ -40,7 +40,16 @@ def test_header_roundtrip_and_size():
     )
     assert len(head) == wire.HEADER.size + 16
     magic, kind, op, redop, dtype, ndim, tag, seq, nbytes = wire.HEADER.unpack_from(head)
-    assert (magic, kind, op, redop, ndim, tag, seq, nbytes) == (wire.FRAME_MAGIC, wire.COLL, 3, 1, 2, -5, 7, 12345)
+    assert (magic, kind, op, redop, ndim, tag, seq, nbytes) == (
+        wire.FRAME_MAGIC,
+        wire.COLL,
+        wire.OP_CODES["all_reduce"],
+        1,
+        2,
+        -5,
+        7,
+        12345,
+    )
     assert wire.dtype_name(dtype) == "float16"
     assert struct.unpack_from("<2q", head, wire.HEADER.size) == (2, 3)
 
@@ -61,8 +70,10 @@ def test_describe_names_op_seq_dtype_size():
         wire.OP_CODES["all_reduce"], wire.redop_code(Reduction(ReduceOp.SUM)), 7, wire.dtype_code(torch.float32), 16
     )
     assert text == "all_reduce(SUM)#7 float32 x 16 bytes"
-    assert wire.describe(3, 1, 7, 1, 16, part=(1 << 32) | 5).startswith("all_reduce(SUM)#7[step 1 part 5] ")
-    assert "[fold]" in wire.describe(3, 1, 7, 1, 16, part=wire.PART_FOLD)
+    assert wire.describe(wire.OP_CODES["all_reduce"], 1, 7, 1, 16, part=(1 << 32) | 5).startswith(
+        "all_reduce(SUM)#7[step 1 part 5] "
+    )
+    assert "[fold]" in wire.describe(wire.OP_CODES["all_reduce"], 1, 7, 1, 16, part=wire.PART_FOLD)
     assert wire.describe(wire.OP_ACK, 0, 3, 0, 0).startswith("acknowledgement#3")
 
 

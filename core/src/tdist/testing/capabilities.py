@@ -32,29 +32,14 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional
 
+from .._backend import ANY_SOURCE_OP, OPERATIONS
+from .._flags import flag
+from .._mismatch import CHECK_ENV
 from ._common import dist_module_name
 
 __all__ = ["Capabilities", "capabilities", "supports", "TORCH_BACKENDS"]
 
-_ALL_OPS = frozenset(
-    {
-        "send",
-        "recv",
-        "recv_anysource",
-        "broadcast",
-        "all_reduce",
-        "reduce",
-        "all_gather",
-        "gather",
-        "scatter",
-        "reduce_scatter",
-        "all_to_all",
-        "barrier",
-        "all_gather_into_tensor",
-        "reduce_scatter_tensor",
-        "all_to_all_single",
-    }
-)
+_ALL_OPS = frozenset(OPERATIONS) | {ANY_SOURCE_OP}
 
 _GLOO_SIZE_CHECK = (
     "gloo aborts the receiving process (std::terminate in its transport thread) when a message "
@@ -137,14 +122,6 @@ class Capabilities:
             self.spec = spec
             self.source = f"BackendSpec of {self.backend!r}"
 
-    def _known_ops(self) -> frozenset:
-        try:
-            import tdist
-
-            return frozenset(getattr(tdist, "OPERATIONS", ())) | {getattr(tdist, "ANY_SOURCE_OP", "recv_anysource")}
-        except Exception:
-            return _ALL_OPS
-
     def reason(self, key: str, device: str = "cpu") -> Optional[str]:
         """None when supported, else why not."""
         if self._torch is not None:
@@ -154,7 +131,9 @@ class Capabilities:
             return self._torch["unsupported"].get(key)
         if self.spec is None:
             return None
-        if key in self._known_ops() or key in _ALL_OPS:
+        if key == "collective_mismatch" and flag(CHECK_ENV):
+            return None  # the core checks every collective of every backend
+        if key in _ALL_OPS:
             if self.spec.supports(key, device):
                 return None
             return f"backend {self.backend!r} declares no {key} on {device} (BackendSpec.operations)"

@@ -9,53 +9,34 @@ from __future__ import annotations
 import importlib.util
 from typing import Optional
 
+from tdist.plugin import ANY_SOURCE_OP, COLLECTIVES
+from tdist.plugin import OPERATIONS as _ALL
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "BACKEND_NAME", "CPU_OPERATIONS", "CUDA_OPERATIONS", "OPERATIONS", "unavailable_reason"]
+__all__ = [
+    "__version__",
+    "BACKEND_NAME",
+    "CHECK_ENV",
+    "CPU_OPERATIONS",
+    "CUDA_OPERATIONS",
+    "OPERATIONS",
+    "unavailable_reason",
+]
 
 BACKEND_NAME = "gloo"
+#: Set to 1 (or ``pg_options={"gloo_check_collectives": True}``) to check every collective
+#: first (tdist's collective check, one extra all-gather per collective).
+CHECK_ENV = "TDIST_GLOO_CHECK_COLLECTIVES"
 
 #: Every tdist operation works on CPU tensors (those gloo lacks are built on what it has).
-CPU_OPERATIONS = frozenset(
-    {
-        "send",
-        "recv",
-        "recv_anysource",
-        "broadcast",
-        "all_reduce",
-        "reduce",
-        "all_gather",
-        "gather",
-        "scatter",
-        "reduce_scatter",
-        "all_to_all",
-        "barrier",
-        "all_gather_into_tensor",
-        "reduce_scatter_tensor",
-        "all_to_all_single",
-    }
-)
+CPU_OPERATIONS = frozenset(_ALL) | {ANY_SOURCE_OP}
 
-#: CUDA tensors: the operations gloo runs on CUDA tensors (it stages them through
-#: pinned host memory): broadcast, allreduce, reduce, allgather, gather, scatter and
-#: alltoall_base; all_to_all, reduce_scatter and reduce_scatter_tensor are built here on
-#: alltoall_base / allreduce. gloo's send/recv take host pointers only: no CUDA point-to-point.
-CUDA_OPERATIONS = frozenset(
-    {
-        "broadcast",
-        "all_reduce",
-        "reduce",
-        "all_gather",
-        "gather",
-        "scatter",
-        "reduce_scatter",
-        "all_to_all",
-        "barrier",
-        "all_gather_into_tensor",
-        "reduce_scatter_tensor",
-        "all_to_all_single",
-    }
-)
+#: CUDA tensors: the collectives (gloo stages them through pinned host memory: broadcast,
+#: allreduce, reduce, allgather, gather, scatter and alltoall_base; all_to_all,
+#: reduce_scatter and reduce_scatter_tensor are built here on alltoall_base / allreduce).
+#: gloo's send/recv take host pointers only: no CUDA point-to-point.
+CUDA_OPERATIONS = frozenset(COLLECTIVES)
 
 OPERATIONS = {"cpu": CPU_OPERATIONS, "cuda": CUDA_OPERATIONS}
 

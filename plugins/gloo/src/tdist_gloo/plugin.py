@@ -6,7 +6,7 @@ from typing import Any
 
 from tdist.plugin import BackendSpec, flag, hookimpl
 
-from . import BACKEND_NAME, OPERATIONS, unavailable_reason
+from . import BACKEND_NAME, CHECK_ENV, OPERATIONS, unavailable_reason
 
 TDIST_HOOKSPEC_VERSION = "1.0"
 
@@ -15,9 +15,6 @@ def _factory(**kwargs: Any) -> Any:
     from .backend import create_backend  # imports torch: only when a group is built
 
     return create_backend(**kwargs)
-
-
-_CHECK_ENV = "TDIST_GLOO_CHECK_COLLECTIVES"
 
 
 def _unsupported_features() -> dict[str, str]:
@@ -35,13 +32,13 @@ def _unsupported_features() -> dict[str, str]:
         "gloo's timeouts say 'Timed out waiting Nms for recv operation' (or, once a peer gave up, "
         "'Connection closed by peer'), never which ranks did not arrive"
     )
-    if flag(_CHECK_ENV):
+    if flag(CHECK_ENV):
         return size_check
     return {
         **size_check,
         "collective_mismatch": (
             "gloo does not detect ranks issuing different sizes or dtypes (it may abort or return "
-            f"corrupted data); set {_CHECK_ENV}=1 or pg_options={{'gloo_check_collectives': True}} to check "
+            f"corrupted data); set {CHECK_ENV}=1 or pg_options={{'gloo_check_collectives': True}} to check "
             "every collective first (about +150 us per call)"
         ),
     }

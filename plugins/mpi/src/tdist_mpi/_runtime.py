@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any, Optional
 
-from tdist.plugin import DistBackendError, flag
+from tdist.plugin import DistBackendError, backend_error, flag
 
 __all__ = [
     "Runtime",
@@ -72,17 +72,13 @@ def check_collectives_default() -> bool:
     return flag(CHECK_ENV)
 
 
-def mpi_error(operation: str, exc: BaseException) -> DistBackendError:
+def mpi_error(operation: str, exc: BaseException) -> BaseException:
     """An MPI.Exception as a tdist error, with MPI's error string and class."""
     try:
-        text = exc.Get_error_string()  # type: ignore[attr-defined]
-        klass = exc.Get_error_class()  # type: ignore[attr-defined]
-        message = f"mpi backend: {operation} failed: {text.strip()} (MPI error class {klass})"
+        detail = f"{exc.Get_error_string().strip()} (MPI error class {exc.Get_error_class()})"  # type: ignore[attr-defined]
     except Exception:
-        message = f"mpi backend: {operation} failed: {exc}"
-    error = DistBackendError(message)
-    error.__cause__ = exc
-    return error
+        detail = None
+    return backend_error("mpi", operation, exc, detail)
 
 
 class Runtime:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import weakref
-import zlib
 from datetime import timedelta
 from itertools import accumulate
 from typing import Any, Callable, Optional, Sequence
@@ -21,33 +20,13 @@ import torch
 from tdist.plugin import Backend, DistBackendError, Reduction, Work, premul_factor
 
 from ._dtypes import Plan, Tables, buffer
-from ._runtime import CHECK_ENV, Runtime, check_collectives_default, mpi_error, runtime
+from ._runtime import Runtime, check_collectives_default, mpi_error, runtime
 from ._work import MPIWork
 
 __all__ = ["MPIBackend", "create_backend"]
 
 MPIException: Any = None
 _tables: Optional[Tables] = None
-
-_OP_CODES = {
-    name: i + 1
-    for i, name in enumerate(
-        (
-            "broadcast",
-            "all_reduce",
-            "reduce",
-            "all_gather",
-            "all_gather_into_tensor",
-            "gather",
-            "scatter",
-            "reduce_scatter",
-            "reduce_scatter_tensor",
-            "all_to_all",
-            "all_to_all_single",
-            "barrier",
-        )
-    )
-}
 
 
 def _bind(rt: Runtime) -> Tables:
@@ -90,7 +69,7 @@ class MPIBackend(Backend):
         self._Status = MPI.Status
         tag_ub = comm.Get_attr(MPI.TAG_UB)
         self._tag_ub = int(tag_ub) if tag_ub else 32767
-        self._check = check_collectives
+        self.check_collectives = check_collectives
         self._works: "weakref.WeakSet[MPIWork]" = weakref.WeakSet()  # failed by shutdown if still pending
 
     # ------------------------------------------------------------------ helpers
@@ -122,34 +101,6 @@ class MPIBackend(Backend):
     def _check_tag(self, operation: str, tag: int) -> None:
         if not 0 <= tag <= self._tag_ub:
             raise ValueError(f"{operation}: tag {tag} is outside the range MPI allows (0..{self._tag_ub})")
-
-    def _verify(self, operation: str, tensor: Any = None, root: int = -1, op: Any = None, numel: int = -2) -> None:
-        """(check_collectives) Every rank must issue the same collective: compare a
-        signature with one MPI_Iallreduce(MAX) of (sig, -sig), waited for at once; raise
-        on every rank if they differ."""
-        import numpy as np
-
-        dtype = zlib.crc32(str(tensor.dtype).encode()) if tensor is not None else 0
-        count = tensor.numel() if numel == -2 and tensor is not None else numel
-        redop = zlib.crc32(op.op.name.encode()) if op is not None else 0
-        sig = np.array([_OP_CODES[operation], dtype, count, root, redop], dtype=np.int64)
-        both = np.concatenate([sig, -sig])
-        MPI = self._rt.MPI
-        comm = self._comm
-        # nonblocking + polled wait: a blocking call would hold the lock in serialised mode
-        self._issue(
-            f"{operation} (collective check)",
-            lambda: comm.Iallreduce(MPI.IN_PLACE, [both, MPI.INT64_T], MPI.MAX),
-            keep=both,
-        ).wait()
-        if (both[:5] != -both[5:]).any():
-            what = f"{operation}({tensor.dtype if tensor is not None else ''}, {count} elements"
-            what += f", root {root}" if root >= 0 else ""
-            what += f", {op.op.name}" if op is not None else ""
-            raise DistBackendError(
-                f"mpi backend: ranks issued different collectives; this rank (group rank {self.rank}) issued "
-                f"{what}) but another rank issued something else ({CHECK_ENV}=1 check)"
-            )
 
     # ------------------------------------------------------------ point-to-point
     # ``outputs`` and ``keep`` hold every tensor MPI reads or writes until the work
@@ -184,8 +135,6 @@ class MPIBackend(Backend):
 
     # --------------------------------------------------------------- collectives
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
-        if self._check:
-            self._verify("broadcast", tensor, src)
         buf = buffer(tensor)
         dt = self._tables.xfer(tensor.dtype)
         comm = self._comm
@@ -193,8 +142,6 @@ class MPIBackend(Backend):
 
     def all_reduce(self, tensor: torch.Tensor, op: Reduction) -> Work:
         plan = self._plans.get((tensor.dtype, id(op.op))) or self._plan(tensor.dtype, op, "all_reduce")
-        if self._check:
-            self._verify("all_reduce", tensor, -1, op)
         if plan.direct:  # the hot path: one Iallreduce in place on the tensor's memory
             buf = buffer(tensor)
             try:
@@ -225,8 +172,6 @@ class MPIBackend(Backend):
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: Reduction) -> Work:
         plan = self._plan(tensor.dtype, op, "reduce")
-        if self._check:
-            self._verify("reduce", tensor, dst, op)
         root = self.rank == dst
         target = tensor.detach()
         if plan.stage is not None:
@@ -255,8 +200,6 @@ class MPIBackend(Backend):
         )
 
     def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> Work:
-        if self._check:
-            self._verify("all_gather", tensor)
         n = tensor.numel()
         staging = torch.empty(self.size * n, dtype=tensor.dtype, device=tensor.device)
         sbuf, rbuf = buffer(tensor), buffer(staging)
@@ -273,8 +216,6 @@ class MPIBackend(Backend):
         )
 
     def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
-        if self._check:
-            self._verify("all_gather_into_tensor", tensor)
         sbuf, rbuf = buffer(tensor), buffer(output)
         dt = self._tables.xfer(tensor.dtype)
         comm = self._comm
@@ -283,8 +224,6 @@ class MPIBackend(Backend):
         )
 
     def gather(self, tensor: torch.Tensor, outputs: Optional[Sequence[torch.Tensor]], dst: int) -> Work:
-        if self._check:
-            self._verify("gather", tensor, dst)
         sbuf = buffer(tensor)
         dt = self._tables.xfer(tensor.dtype)
         comm = self._comm
@@ -305,8 +244,6 @@ class MPIBackend(Backend):
         )
 
     def scatter(self, tensor: torch.Tensor, inputs: Optional[Sequence[torch.Tensor]], src: int) -> Work:
-        if self._check:
-            self._verify("scatter", tensor, src)
         rbuf = buffer(tensor)
         dt = self._tables.xfer(tensor.dtype)
         comm = self._comm
@@ -318,8 +255,6 @@ class MPIBackend(Backend):
 
     def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: Reduction) -> Work:
         plan = self._plan(output.dtype, op, "reduce_scatter")
-        if self._check:
-            self._verify("reduce_scatter", output, -1, op)
         send = _flat_cat(inputs, plan.stage)
         if plan.premul:
             send.mul_(premul_factor(op.factor, send))
@@ -327,8 +262,6 @@ class MPIBackend(Backend):
 
     def reduce_scatter_tensor(self, output: torch.Tensor, tensor: torch.Tensor, op: Reduction) -> Work:
         plan = self._plan(output.dtype, op, "reduce_scatter_tensor")
-        if self._check:
-            self._verify("reduce_scatter_tensor", output, -1, op)
         send = tensor.detach()
         if plan.stage is not None:
             send = send.to(plan.stage)
@@ -361,8 +294,6 @@ class MPIBackend(Backend):
         )
 
     def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Work:
-        if self._check:
-            self._verify("all_to_all", inputs[0], numel=-1)
         dtype = inputs[0].dtype
         dt = self._tables.xfer(dtype)
         scounts = [t.numel() for t in inputs]
@@ -386,8 +317,6 @@ class MPIBackend(Backend):
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
     ) -> Work:
-        if self._check:
-            self._verify("all_to_all_single", tensor, numel=math.prod(tensor.shape[1:]))
         dt = self._tables.xfer(tensor.dtype)
         sbuf, rbuf = buffer(tensor), buffer(output)
         comm = self._comm
@@ -404,8 +333,6 @@ class MPIBackend(Backend):
         return self._issue("all_to_all_single", call, (output,), keep=tensor)
 
     def barrier(self) -> Work:
-        if self._check:
-            self._verify("barrier")
         comm = self._comm
         return self._issue("barrier", lambda: comm.Ibarrier())
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Optional
 
+from tdist.plugin import OPERATIONS as _ALL
+
 __version__ = "0.1.0"
 __all__ = ["BACKEND_NAME", "INSTALL_HINT", "OPERATIONS", "__version__", "unavailable_reason"]
 
@@ -24,26 +26,7 @@ INSTALL_HINT = "pip install tdist-nccl[cuda12] (or tdist-nccl[cuda13] for CUDA 1
 
 #: What the backend serves: CUDA tensors only, every operation but recv from any source
 #: (NCCL matches a receive to one named peer), so the core refuses ``recv(src=None)``.
-OPERATIONS: dict[str, frozenset[str]] = {
-    "cuda": frozenset(
-        {
-            "send",
-            "recv",
-            "broadcast",
-            "all_reduce",
-            "reduce",
-            "all_gather",
-            "gather",
-            "scatter",
-            "reduce_scatter",
-            "all_to_all",
-            "barrier",
-            "all_gather_into_tensor",
-            "reduce_scatter_tensor",
-            "all_to_all_single",
-        }
-    )
-}
+OPERATIONS: dict[str, frozenset[str]] = {"cuda": frozenset(_ALL)}
 
 
 def unavailable_reason() -> Optional[str]:

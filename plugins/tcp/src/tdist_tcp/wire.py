@@ -15,6 +15,8 @@ import ctypes
 import struct
 from typing import TYPE_CHECKING, Any, Optional
 
+from tdist.plugin import OPERATION_CODES
+
 if TYPE_CHECKING:
     import torch
 
@@ -58,24 +60,9 @@ HELLO_MAGIC = b"TDISTTCP"  # starts every connection's handshake (tdist_tcp.auth
 COLL, P2P, ABORT, BYE, PROBE, STATE = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {COLL: "collective", P2P: "p2p", ABORT: "abort", BYE: "bye", PROBE: "probe", STATE: "state"}
 
-OP_NAMES = (
-    "?",
-    "send",
-    "broadcast",
-    "all_reduce",
-    "reduce",
-    "all_gather",
-    "gather",
-    "scatter",
-    "reduce_scatter",
-    "all_to_all",
-    "barrier",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "all_to_all_single",
-    "ack",
-)
-OP_CODES = {name: code for code, name in enumerate(OP_NAMES)}
+#: an operation's code on the wire: tdist's (``OPERATION_CODES``), and one more for "ack"
+OP_CODES = {**OPERATION_CODES, "ack": max(OPERATION_CODES.values()) + 1}
+OP_NAMES = {code: name for name, code in OP_CODES.items()}
 #: the empty frame a receiver returns to a rank that would otherwise only send
 #: (broadcast/scatter roots, reduce/gather senders), so every rank of a collective
 #: learns that its peers agreed on what it was
@@ -217,7 +204,7 @@ def describe(
     where = f"[{part_name(part)}]" if part else ""
     if op == OP_ACK:
         return f"acknowledgement#{seq}{where} (of this rank's frames)"
-    name = OP_NAMES[op] if 0 <= op < len(OP_NAMES) else f"op#{op}"
+    name = OP_NAMES.get(op, f"op#{op}")
     if redop:
         name += f"({REDOP_NAMES[redop] if redop < len(REDOP_NAMES) else redop})"
     return f"{name}#{seq}{where} {dtype_name(dtype)} x {nbytes} bytes"
