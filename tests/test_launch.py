@@ -343,6 +343,19 @@ def test_redirects_and_tee_write_log_files(tmp_path):
     assert log_files(teed, "stderr.log") == {}
 
 
+def _json_objects(text: str) -> list[dict]:
+    """The JSON objects printed one after the other in ``text``: workers that share a pipe
+    may write one's newline after the other's object (print writes the two separately)."""
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text):
+            return found
+        obj, at = decoder.raw_decode(text, at)
+        found.append(obj)
+
+
 def test_variables_as_torchrun_sets_them(tmp_path):
     """Every variable torchrun gives its workers, tdistrun gives too, with the same values
     (those that name this run's files, ids and ports aside)."""
@@ -353,7 +366,7 @@ def test_variables_as_torchrun_sets_them(tmp_path):
     assert ours.returncode == 0, ours.stderr
     theirs = launch([*options, script], launcher=torchrun)
     assert theirs.returncode == 0, theirs.stderr
-    by_rank = {json.loads(line)["RANK"]: json.loads(line) for line in theirs.stdout.splitlines()}
+    by_rank = {env["RANK"]: env for env in _json_objects(theirs.stdout)}
     base = base_env()
     varying = {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT"}
     for rank, mine in reports(ours.stdout).items():
