@@ -18,17 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 from datetime import timedelta
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tdist.testing import free_port
 
 
 def _calls(nbytes: int, scale: float) -> int:
@@ -122,7 +117,7 @@ def main(argv: "list[str] | None" = None) -> int:
     ctx = mp.get_context("spawn")
     manager = ctx.Manager()
     out = manager.dict()
-    ports = (_free_port(), _free_port())
+    ports = (free_port(), free_port())
     procs = [
         ctx.Process(target=_worker, args=(rank, args.world_size, ports[0], ports[1], args.sizes, args.scale, out))
         for rank in range(args.world_size)

@@ -3,21 +3,15 @@ and a real rendezvous of two ranks (threads, loopback)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import urllib.parse
 
 import pytest
+from tdist.testing import free_port
 
 pytest.importorskip("tdist_template", reason="tdist-template is not installed: pip install -e <this folder> first")
 
 from tdist_template.rendezvous import indexed_rendezvous
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _call(url: str, rank: int = -1, world_size: int = -1, group_name: str = ""):
@@ -45,7 +39,7 @@ def test_bad_arguments_fail_before_connecting(url, rank, world_size, message):
 
 def test_rank_from_the_index_variable(monkeypatch):
     monkeypatch.setenv("MY_INDEX", "0")
-    store, rank, world_size = _call(f"indexed://127.0.0.1:{_free_port()}?world_size=1&index_var=MY_INDEX")
+    store, rank, world_size = _call(f"indexed://127.0.0.1:{free_port()}?world_size=1&index_var=MY_INDEX")
     try:
         assert (rank, world_size) == (0, 1)
         store.set("k", b"v")
@@ -55,7 +49,7 @@ def test_rank_from_the_index_variable(monkeypatch):
 
 
 def test_two_ranks_meet():
-    url = f"indexed://127.0.0.1:{_free_port()}?world_size=2"
+    url = f"indexed://127.0.0.1:{free_port()}?world_size=2"
     stores = [None, None]
 
     def join(r):

@@ -15,22 +15,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable, Optional
+
+from tdist.testing import free_port
 
 __all__ = ["run_world", "free_port", "WorldFailed"]
 
 
 class WorldFailed(AssertionError):
     """Some rank raised, died or did not finish in time."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(body: Callable[..., Any], rank: int, world_size: int, env: dict, kwargs: dict, results: Any) -> None:
