@@ -54,6 +54,7 @@ from torch import nn
 
 import tdist as dist
 
+from .buckets import Bucket, compute_buckets, tensors_in, to_device
 from .comm_hooks import CommHook, GradBucket
 
 __all__ = ["DistributedDataParallel", "DDPStats"]
@@ -84,84 +85,6 @@ class DDPStats:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-class _Bucket:
-    """A flat buffer holding the gradients of several parameters of one dtype and device."""
-
-    __slots__ = ("index", "params", "offsets", "buffer", "ready", "pending", "work", "dtype", "device")
-
-    def __init__(self, index: int, params: list[int], sizes: list[int], dtype: torch.dtype, device: torch.device):
-        self.index = index
-        self.params = params  # indices into DistributedDataParallel._params
-        self.offsets = []
-        offset = 0
-        for size in sizes:
-            self.offsets.append(offset)
-            offset += size
-        self.dtype = dtype
-        self.device = device
-        self.buffer = torch.zeros(offset, dtype=dtype, device=device)
-        self.ready = [False] * len(params)
-        self.pending = len(params)
-        self.work: Any = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-    def reset(self) -> None:
-        self.ready = [False] * len(self.params)
-        self.pending = len(self.params)
-        self.work = None
-
-
-def _compute_buckets(params: Sequence[torch.Tensor], cap_bytes: int, first_cap_bytes: int) -> list[list[int]]:
-    """Parameter indices per bucket: reverse parameter order, one dtype/device per bucket,
-    a bucket closed once it holds at least its cap (the first bucket of each kind: ``first_cap_bytes``)."""
-    open_buckets: dict[tuple, list[int]] = {}
-    open_sizes: dict[tuple, int] = {}
-    closed_count: dict[tuple, int] = {}
-    buckets: list[list[int]] = []
-    for i in reversed(range(len(params))):
-        p = params[i]
-        key = (p.dtype, p.device)
-        open_buckets.setdefault(key, []).append(i)
-        open_sizes[key] = open_sizes.get(key, 0) + p.numel() * p.element_size()
-        limit = first_cap_bytes if closed_count.get(key, 0) == 0 else cap_bytes
-        if open_sizes[key] >= limit:
-            buckets.append(open_buckets.pop(key))
-            open_sizes.pop(key)
-            closed_count[key] = closed_count.get(key, 0) + 1
-    buckets.extend(b for b in open_buckets.values() if b)
-    return buckets
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a forward's output: nested tuples, lists, dicts, dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors_in(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors_in(item)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from _tensors_in(getattr(obj, name, None))
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_to_device(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-    return obj
 
 
 class DistributedDataParallel(nn.Module):
@@ -247,14 +170,14 @@ class DistributedDataParallel(nn.Module):
             self._broadcast_coalesced([b for _, b in self._named_buffers])
 
         first_cap = min(_FIRST_BUCKET_BYTES, self.bucket_bytes_cap)
-        assignment = _compute_buckets(self._params, self.bucket_bytes_cap, first_cap)
+        assignment = compute_buckets(self._params, self.bucket_bytes_cap, first_cap)
         self._buckets = [
-            _Bucket(
+            Bucket(
                 k, idx, [self._params[i].numel() for i in idx], self._params[idx[0]].dtype, self._params[idx[0]].device
             )
             for k, idx in enumerate(assignment)
         ]
-        self._locate: list[tuple[_Bucket, int]] = [None] * len(self._params)  # type: ignore[list-item]
+        self._locate: list[tuple[Bucket, int]] = [None] * len(self._params)  # type: ignore[list-item]
         for bucket in self._buckets:
             for slot, i in enumerate(bucket.params):
                 self._locate[i] = (bucket, slot)
@@ -301,8 +224,8 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.device is not None:
-            inputs = _to_device(inputs, self.device)
-            kwargs = _to_device(kwargs, self.device)
+            inputs = to_device(inputs, self.device)
+            kwargs = to_device(kwargs, self.device)
         if self.broadcast_buffers and self.require_forward_param_sync and self._world_size > 1 and self._named_buffers:
             with torch.no_grad():
                 self._broadcast_coalesced([b for _, b in self._named_buffers])
@@ -388,7 +311,7 @@ class DistributedDataParallel(nn.Module):
         reached: set[int] = set()
         seen: set[Any] = set()
         stack = []
-        for t in _tensors_in(output):
+        for t in tensors_in(output):
             if t.grad_fn is not None:
                 stack.append(t.grad_fn)
             elif id(t) in self._param_index:
@@ -469,7 +392,7 @@ class DistributedDataParallel(nn.Module):
                 self.stats.allreduce_bytes += bucket.nbytes
             self._next_bucket += 1
 
-    def _run_comm_hook(self, bucket: _Bucket) -> Any:
+    def _run_comm_hook(self, bucket: Bucket) -> Any:
         state, hook = self._comm_hook  # type: ignore[misc]
         params = [self._params[i] for i in bucket.params]
         is_last = bucket.index == len(self._buckets) - 1
@@ -487,7 +410,7 @@ class DistributedDataParallel(nn.Module):
             future.set_exception(exc)
         return future
 
-    def _complete(self, bucket: _Bucket) -> None:
+    def _complete(self, bucket: Bucket) -> None:
         """Wait for ``bucket``'s all_reduce or hook future; a hook's result goes into the buffer."""
         work, bucket.work = bucket.work, None
         if isinstance(work, dist.Work):

@@ -9,7 +9,8 @@ Modules: :mod:`.plugin` (the hook implementations), :mod:`.wire` (frame format),
 setup), :mod:`.transport` (reader threads, matching, timeouts), :mod:`.lanes` (where
 operations run), :mod:`.algorithms` (ring/tree/doubling), :mod:`.segment` (the shared
 segment: create, find, authenticate), :mod:`.shm` (collectives through shared memory when
-the whole group is on one host), :mod:`.backend` (``TcpBackend``).
+the whole group is on one host; :mod:`.futex` to sleep and wake there, :mod:`.kernels` to
+reduce), :mod:`.backend` (``TcpBackend``).
 """
 
 from __future__ import annotations

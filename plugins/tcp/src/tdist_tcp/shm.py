@@ -65,6 +65,8 @@ import numpy as np
 from tdist.plugin import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError, ReduceOp, flag
 
 from . import segment
+from .futex import futex_wait, futex_wake
+from .kernels import Kernel
 from .wire import describe
 
 if TYPE_CHECKING:
@@ -92,45 +94,6 @@ _HALF = 0x80000000
 _ALIGN = 64
 _ARRAY_CACHE_BYTES = 4096  # tensors up to this size keep their numpy view between collectives
 
-_SYS_FUTEX = 202  # x86-64
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_syscall: Any = None
-
-
-def _libc_syscall() -> Any:
-    global _syscall
-    if _syscall is None:
-        fn = ctypes.CDLL(None, use_errno=True).syscall
-        fn.restype = ctypes.c_long
-        fn.argtypes = [
-            ctypes.c_long,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_uint32,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
-        _syscall = fn
-    return _syscall
-
-
-def _futex_wait(addr: int, value: int, seconds: float) -> None:
-    """Sleep while the uint32 at ``addr`` holds ``value`` (at most ``seconds``; the GIL is released)."""
-    seconds = max(seconds, 0.0)
-    ts = _Timespec(int(seconds), int((seconds % 1.0) * 1e9))
-    _libc_syscall()(_SYS_FUTEX, addr, _FUTEX_WAIT, value, ctypes.addressof(ts), None, 0)
-
-
-def _futex_wake(addr: int) -> None:
-    _libc_syscall()(_SYS_FUTEX, addr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
-
 
 _memmove = ctypes.memmove
 
@@ -143,111 +106,6 @@ def shm_enabled(options: Mapping[str, Any]) -> bool:
     if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
-
-
-# ------------------------------------------------------------------ numeric kernels
-_NP_DTYPES: Optional[dict] = None
-
-
-def _np_dtype(dtype: "torch.dtype") -> Any:
-    global _NP_DTYPES
-    if _NP_DTYPES is None:
-        import torch
-
-        table = {
-            torch.float32: np.float32,
-            torch.float64: np.float64,
-            torch.float16: np.float16,
-            torch.complex64: np.complex64,
-            torch.complex128: np.complex128,
-            torch.int8: np.int8,
-            torch.uint8: np.uint8,
-            torch.int16: np.int16,
-            torch.int32: np.int32,
-            torch.int64: np.int64,
-            torch.bool: np.bool_,
-        }
-        for name, npt in (("uint16", np.uint16), ("uint32", np.uint32), ("uint64", np.uint64)):
-            if isinstance(getattr(torch, name, None), torch.dtype):
-                table[getattr(torch, name)] = npt
-        _NP_DTYPES = table
-    return _NP_DTYPES.get(dtype)
-
-
-_UFUNCS = {
-    "SUM": np.add,
-    "AVG": np.add,
-    "PREMUL_SUM": np.add,
-    "PRODUCT": np.multiply,
-    "MIN": np.minimum,
-    "MAX": np.maximum,
-    "BAND": np.bitwise_and,
-    "BOR": np.bitwise_or,
-    "BXOR": np.bitwise_xor,
-}
-_UFUNCS_BOOL = {
-    **_UFUNCS,
-    "SUM": np.logical_or,
-    "AVG": np.logical_or,
-    "MAX": np.logical_or,
-    "PRODUCT": np.logical_and,
-    "MIN": np.logical_and,
-}
-
-
-class _Kernel:
-    """Views of the segment and of tensors as numpy arrays (or torch tensors for the
-    dtypes numpy lacks), and the reduction ``out = in0 op in1 op ...`` on them."""
-
-    __slots__ = ("eng", "dtype", "es", "op", "npdt", "ufunc")
-
-    def __init__(self, eng: "ShmEngine", dtype: "torch.dtype", op: Optional["Reduction"]) -> None:
-        self.eng = eng
-        self.dtype = dtype
-        self.es = dtype.itemsize
-        self.op = op
-        self.npdt = _np_dtype(dtype)
-        self.ufunc = None
-        if op is not None and self.npdt is not None:
-            table = _UFUNCS_BOOL if self.npdt is np.bool_ else _UFUNCS
-            self.ufunc = table.get(op.op.name)
-        if self.ufunc is None:
-            self.npdt = None  # reductions (and so views) in torch
-
-    def shm(self, off: int, count: int) -> Any:
-        if self.npdt is not None:
-            return self.eng.u8[off : off + count * self.es].view(self.npdt)
-        return self.eng.t8()[off : off + count * self.es].view(self.dtype)
-
-    def ten(self, flat: "torch.Tensor", a: int, b: int) -> Any:
-        piece = flat[a:b]
-        return piece.numpy() if self.npdt is not None else piece
-
-    def reduce(self, out: Any, ins: Sequence[Any]) -> None:
-        """``out = ins[0] op ins[1] op ...`` in that order (``out`` may be ``ins[0]`` itself,
-        and overlaps none of the others).
-
-        Like torch, never warns or raises on floating-point overflow or NaN (numpy's
-        error state is only consulted after the fact, and the reduction redone quietly
-        if it objected; the inputs are untouched, so redoing it is exact)."""
-        if self.ufunc is not None:
-            try:
-                _ufunc_reduce(self.ufunc, out, ins)
-            except FloatingPointError:  # the program asked numpy to raise: torch would not
-                with np.errstate(all="ignore"):
-                    _ufunc_reduce(self.ufunc, out, ins)
-            return
-        from .algorithms import combine_serial, copy_serial
-
-        copy_serial(out, ins[0])
-        for x in ins[1:]:
-            combine_serial(out, x, self.op)  # type: ignore[arg-type]
-
-
-def _ufunc_reduce(uf: Any, out: Any, ins: Sequence[Any]) -> None:
-    uf(ins[0], ins[1], out=out)
-    for x in ins[2:]:
-        uf(out, x, out=out)
 
 
 # numpy warns about floating-point overflow/invalid values in its default error state;
@@ -392,14 +250,14 @@ class ShmEngine:
             self._t8 = torch.frombuffer(self.mm, dtype=torch.uint8)
         return self._t8
 
-    def kernel(self, dtype: "torch.dtype", op: "Reduction") -> _Kernel:
+    def kernel(self, dtype: "torch.dtype", op: "Reduction") -> Kernel:
         last_dtype, last_member, k = self._last_kernel
         member = op.op
         if dtype is not last_dtype or member is not last_member:
             key = (dtype, id(member))  # enum members are singletons (and slow to hash)
             k = self._kernels.get(key)
             if k is None:
-                k = self._kernels[key] = _Kernel(self, dtype, op)
+                k = self._kernels[key] = Kernel(self, dtype, op)
             self._last_kernel = (dtype, member, k)
         k.op = op  # the torch fallback's combine_ needs the call's own Reduction
         return k
@@ -452,8 +310,8 @@ class ShmEngine:
         if self.mm.closed:
             return
         for _q, _i, addr in self._peer_ctr:
-            _futex_wake(addr)
-        _futex_wake(self._my_addr)
+            futex_wake(addr)
+        futex_wake(self._my_addr)
 
     def close(self) -> None:
         """Unmap the segment and close its descriptor. The caller makes sure no collective
@@ -486,7 +344,7 @@ class ShmEngine:
         ctl[self._me_ctr] = k
         for fi in self._peer_flags:
             if ctl[fi]:
-                _futex_wake(self._my_addr)
+                futex_wake(self._my_addr)
                 break
         for q, ci, addr in self._peer_ctr:
             if (ctl[ci] - k) & _MASK >= _HALF:
@@ -520,7 +378,7 @@ class ShmEngine:
                     return
                 self._check_alive(c, q, k)
                 left = c.deadline - time.monotonic()
-                _futex_wait(addr, v, min(pause, max(left, 0.0)))
+                futex_wait(addr, v, min(pause, max(left, 0.0)))
                 pause = min(pause * 2, 0.05)
         finally:
             ctl[self._me_flag] = 0
