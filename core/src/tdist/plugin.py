@@ -12,7 +12,8 @@ to this by a lint rule, ``ruff`` TID251, and by ``tests/test_plugin_contract.py`
 - observing: :class:`WorkInfo`;
 - reductions: :class:`ReduceOp`, :class:`Reduction`, :func:`check_reduction`,
   :func:`combine_`, :func:`prescale_`, :func:`prescaled`, :func:`finalize_`,
-  :func:`premul_factor`;
+  :func:`premul_factor`, :func:`plan_reduction` (how a library with some native dtypes
+  runs a reduction: :class:`ReductionPlan`);
 - errors: :class:`DistError` and its subclasses, :func:`backend_error` (a library's
   exception as the tdist error, timeouts told apart);
 - settings: :func:`flag` (boolean environment variables and ``pg_options``);
@@ -55,7 +56,16 @@ from ._store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, T
 from ._store.tls import TLS_RECORD_TYPE, WOULD_BLOCK, TlsConfig, TlsError, describe_ssl_error
 from ._work import Timeout, Work, seconds
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
-from .reduction import check_reduction, combine_, finalize_, premul_factor, prescale_, prescaled
+from .reduction import (
+    ReductionPlan,
+    check_reduction,
+    combine_,
+    finalize_,
+    plan_reduction,
+    premul_factor,
+    prescale_,
+    prescaled,
+)
 
 __all__ = [
     # registration
@@ -88,6 +98,8 @@ __all__ = [
     "prescaled",
     "finalize_",
     "premul_factor",
+    "ReductionPlan",
+    "plan_reduction",
     # errors
     "DistError",
     "DistBackendError",

@@ -22,14 +22,24 @@ torch is imported lazily, so importing this module costs nothing.
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Optional
 
 from ._reduce_op import ReduceOp, Reduction
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_reduction", "combine_", "prescale_", "prescaled", "finalize_", "premul_factor"]
+__all__ = [
+    "check_reduction",
+    "combine_",
+    "prescale_",
+    "prescaled",
+    "finalize_",
+    "premul_factor",
+    "ReductionPlan",
+    "plan_reduction",
+]
 
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
@@ -211,3 +221,66 @@ def finalize_(tensor: "torch.Tensor", op: Reduction, world_size: int) -> "torch.
     if op.op is ReduceOp.AVG:
         tensor.div_(world_size)
     return tensor
+
+
+# ------------------------------------------------------------------ planning
+@dataclass(frozen=True)
+class ReductionPlan:
+    """How a library that reduces some dtypes natively runs one valid reduction.
+
+    ``op``: the operator the library applies (SUM for PREMUL_SUM, and for AVG when it
+    has no AVG of its own); ``compute``: the dtype the library reduces: ``dtype`` itself,
+    a wider one to copy into and back (:attr:`widened`), or, with ``as_real``, the real
+    dtype of a complex tensor's ``view_as_real``; ``prescale``: multiply every
+    contribution by the PREMUL_SUM factor first (:func:`prescale_`); ``divide``: divide
+    the result by the group size afterwards (:func:`finalize_` does it for AVG).
+    """
+
+    op: ReduceOp
+    dtype: Any
+    compute: Any
+    as_real: bool = False
+    prescale: bool = False
+    divide: bool = False
+
+    @property
+    def widened(self) -> bool:
+        """The library reduces a copy in :attr:`compute`, copied back afterwards."""
+        return not self.as_real and self.compute != self.dtype
+
+
+def plan_reduction(
+    reduction: Reduction,
+    dtype: Any,
+    native: Collection[Any],
+    *,
+    widen: Optional[Mapping[Any, Any]] = None,
+    complex_as_real: bool = False,
+    native_avg: bool = True,
+    backend: str = "backend",
+    operation: str = "reduce",
+) -> ReductionPlan:
+    """Check ``reduction`` on ``dtype`` (:func:`check_reduction`'s rules) and say how a
+    library that reduces the dtypes in ``native`` runs it: complex tensors as their real
+    view (``complex_as_real``), other dtypes in the wider dtype ``widen`` maps them to,
+    AVG as SUM then a division unless ``native_avg``, PREMUL_SUM as a prescale then SUM.
+    Raises ``TypeError`` (``ValueError`` for a bad factor) before anything is sent, naming
+    ``operation`` and ``backend``."""
+    check_reduction(reduction, dtype, f"{operation}: backend {backend!r}")
+    op = reduction.op
+    compute, as_real = dtype, False
+    if complex_as_real and dtype.is_complex:
+        import torch
+
+        compute, as_real = torch.empty(0, dtype=dtype).real.dtype, True
+    if compute not in native:
+        wider = (widen or {}).get(compute)
+        if wider is None:
+            raise TypeError(
+                f"{operation}: backend {backend!r} cannot reduce {dtype} tensors with ReduceOp.{op.name} "
+                "(it has no arithmetic for that dtype)"
+            )
+        compute = wider
+    divide = op is ReduceOp.AVG and not native_avg
+    applied = ReduceOp.SUM if op is ReduceOp.PREMUL_SUM or divide else op
+    return ReductionPlan(applied, dtype, compute, as_real, op is ReduceOp.PREMUL_SUM, divide)

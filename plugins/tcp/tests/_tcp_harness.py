@@ -1,7 +1,7 @@
 """Test scaffolding for tdist-tcp: tiny stores, and worlds of ranks as threads or processes.
 
-- :class:`DictStore`: an in-memory store shared by threads of one process.
-- :class:`DirStore`: a store in a directory (one file per key), shared by processes.
+- :func:`dir_store`: tdist's FileStore in a job's directory, shared by its processes
+  (threads of one process share a :class:`tdist.HashStore`).
 - :func:`run_threads`: run ``body(backend, rank)`` on every rank of a world of threads.
 - :class:`ProcWorld`: long-lived spawned worker processes (torch imported once) that
   each build a fresh backend per job, run a job function from ``_tcp_jobs`` and
@@ -18,121 +18,14 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
 
-from tdist._errors import DistStoreTimeoutError
-from tdist._store.base import Store, as_bytes
+from tdist.plugin import FileStore, HashStore, Store
 
 
-class DictStore(Store):
-    def __init__(self, timeout: float = 30.0) -> None:
-        super().__init__(timeout)
-        self._data: dict[str, bytes] = {}
-        self._cv = threading.Condition()
-
-    def set(self, key, value):
-        with self._cv:
-            self._data[key] = as_bytes(value)
-            self._cv.notify_all()
-
-    def get(self, key, timeout=None):
-        self.wait([key], timeout)
-        with self._cv:
-            return self._data[key]
-
-    def add(self, key, amount):
-        with self._cv:
-            value = int(self._data.get(key, b"0")) + amount
-            self._data[key] = str(value).encode()
-            self._cv.notify_all()
-            return value
-
-    def compare_set(self, key, expected, desired):
-        with self._cv:
-            current = self._data.get(key)
-            if (current is None and not as_bytes(expected)) or current == as_bytes(expected):
-                self._data[key] = as_bytes(desired)
-                self._cv.notify_all()
-            return self._data.get(key, b"")
-
-    def wait(self, keys, timeout=None):
-        deadline = time.monotonic() + self._limit(timeout)
-        with self._cv:
-            while not all(k in self._data for k in keys):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = [k for k in keys if k not in self._data]
-                    raise DistStoreTimeoutError(f"DictStore: timed out waiting for {missing}")
-                self._cv.wait(left)
-
-    def check(self, keys):
-        with self._cv:
-            return all(k in self._data for k in keys)
-
-    def delete_key(self, key):
-        with self._cv:
-            return self._data.pop(key, None) is not None
-
-    def num_keys(self):
-        with self._cv:
-            return len(self._data)
-
-
-class DirStore(Store):
-    """Keys are files named by their hex encoding; values are written atomically."""
-
-    def __init__(self, path: str, timeout: float = 30.0) -> None:
-        super().__init__(timeout)
-        self.path = path
-        os.makedirs(path, exist_ok=True)
-
-    def _file(self, key: str) -> str:
-        return os.path.join(self.path, key.encode().hex())
-
-    def set(self, key, value):
-        tmp = f"{self._file(key)}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(as_bytes(value))
-        os.replace(tmp, self._file(key))
-
-    def get(self, key, timeout=None):
-        self.wait([key], timeout)
-        with open(self._file(key), "rb") as f:
-            return f.read()
-
-    def add(self, key, amount):
-        import fcntl
-
-        with open(os.path.join(self.path, "lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                value = int(self.get(key, 0) if self.check([key]) else b"0") + amount
-                self.set(key, str(value))
-                return value
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
-    def compare_set(self, key, expected, desired):
-        raise NotImplementedError
-
-    def wait(self, keys, timeout=None):
-        deadline = time.monotonic() + self._limit(timeout)
-        while not self.check(keys):
-            if time.monotonic() > deadline:
-                missing = [k for k in keys if not os.path.exists(self._file(k))]
-                raise DistStoreTimeoutError(f"DirStore: timed out waiting for {missing}")
-            time.sleep(0.002)
-
-    def check(self, keys):
-        return all(os.path.exists(self._file(k)) for k in keys)
-
-    def delete_key(self, key):
-        try:
-            os.remove(self._file(key))
-            return True
-        except FileNotFoundError:
-            return False
-
-    def num_keys(self):
-        return len([n for n in os.listdir(self.path) if not n.endswith(".tmp") and n != "lock"])
+def dir_store(path: str) -> Store:
+    """A :class:`tdist.FileStore` in directory ``path`` (created if needed): the store the
+    processes of one job share."""
+    os.makedirs(path, exist_ok=True)
+    return FileStore(os.path.join(path, "store"))
 
 
 def make_backend(
@@ -171,7 +64,7 @@ def run_threads(
     Returns the per-rank results; with ``raise_errors=False`` a rank's exception is
     returned in its slot instead of being raised. ``secret``: the factory's, or one per rank.
     """
-    store = store or DictStore()
+    store = store or HashStore()
     results: list = [None] * world
     errors: list = [None] * world
 
@@ -224,7 +117,7 @@ def _worker_main(rank: int, world: int, conn: Any) -> None:
         backend = None
         try:
             fn = getattr(importlib.import_module(module), name)
-            store = DirStore(store_dir)
+            store = dir_store(store_dir)
             backend = make_backend(store, rank, world, backend_timeout, options, secret)
             backend.test_store = store
             reply = ("ok", fn(backend, rank, *args))

@@ -20,7 +20,8 @@ from typing import Optional
 import _tcp_jobs as J
 import pytest
 import torch
-from _tcp_harness import DictStore, make_backend, run_threads
+from tdist.plugin import HashStore
+from _tcp_harness import make_backend, run_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tdist._errors import DistBackendTimeoutError, DistNetworkError
@@ -98,7 +99,7 @@ def test_impostors_are_refused_and_the_job_completes(unix):
     """Three impostors who read the store try to take rank 1's place: one runs the real
     connector with a wrong key, one with no key, one forges a proof by hand. Each is
     refused with a clear error; then the real rank 1 connects and the job completes."""
-    store, out = DictStore(), {}
+    store, out = HashStore(), {}
     options = {"unix": unix}
     thread = _rank0(store, out, options)
     _endpoint(store, unix)  # rank 0 listens
@@ -120,7 +121,7 @@ def test_listener_that_cannot_prove_the_key_is_refused_at_once():
     """Authentication is mutual: a listener published as rank 0 (e.g. by someone who could
     write the store) that does not know the key is refused by the connecting rank at
     once, not after the timeout."""
-    store = DictStore()
+    store = HashStore()
     nonce = os.urandom(16)
     with socket.socket() as fake:
         fake.bind(("127.0.0.1", 0))
@@ -160,7 +161,7 @@ def test_ranks_with_different_tokens_say_so():
 def test_silent_connections_do_not_lock_a_rank_out():
     """More connections that say nothing than a listener holds (MAX_PENDING): the oldest are
     dropped, and the real rank 1 still connects and the job completes."""
-    store, out = DictStore(), {}
+    store, out = HashStore(), {}
     thread = _rank0(store, out, {"unix": False})
     family, address = _endpoint(store, False)
     silent = []
@@ -196,7 +197,7 @@ def test_fuzzed_handshakes_leave_the_listener_serving_and_leak_nothing():
     serving (the real rank 1 connects afterwards), and no descriptor, thread or segment
     is left once the group is destroyed."""
     fds, threads = _open_fds(), set(threading.enumerate())
-    store, out = DictStore(), {}
+    store, out = HashStore(), {}
     thread = _rank0(store, out, timeout=90.0)
     _endpoint(store, True)
     valid = make_hello(bytes.fromhex(store.get("tcp/nonce").decode()), 1, 2, True)

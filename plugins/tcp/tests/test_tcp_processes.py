@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from tdist.plugin import HashStore
 from _tcp_harness import ProcWorld
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,9 +56,9 @@ def test_dead_peer_fails_survivors_promptly(world3, how, unix):
 
 def test_sigkill_from_outside_while_peers_wait(world3):
     def kill_rank1(world, store_dir):
-        from _tcp_harness import DirStore
+        from _tcp_harness import dir_store
 
-        DirStore(store_dir).wait(["test/waiting/1"], timeout=50)  # rank 1 is connected and idle
+        dir_store(store_dir).wait(["test/waiting/1"], timeout=50)  # rank 1 is connected and idle
         time.sleep(0.2)
         os.kill(world.pids()[1], signal.SIGKILL)
 
@@ -72,10 +73,10 @@ def test_stopped_peer_gives_every_waiting_rank_a_timeout_naming_it(world3, shm):
     """Rank 2 is stopped (SIGSTOP) while ranks 0 and 1 all_reduce 16 MiB: each of them raises
     DistBackendTimeoutError naming rank 2 (and only rank 2) as the rank that did not
     arrive, and the collective with its real size; once continued, rank 2 raises too."""
-    from _tcp_harness import DirStore
+    from _tcp_harness import dir_store
 
     def stop_rank2(world, store_dir):
-        store, pid = DirStore(store_dir), world.pids()[2]
+        store, pid = dir_store(store_dir), world.pids()[2]
         store.wait(["test/ready"], timeout=50)
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -125,9 +126,8 @@ def test_plugin_registers_tcp_backend_lazily():
     spec = registry.get("tcp")
     assert spec is not None and spec.available is None
     assert spec.operations["cpu"] == frozenset(OPERATIONS) | {ANY_SOURCE_OP}
-    from _tcp_harness import DictStore
 
-    backend = spec.factory(store=DictStore(), rank=0, world_size=1, timeout=5.0, options={}, global_ranks=[0])
+    backend = spec.factory(store=HashStore(), rank=0, world_size=1, timeout=5.0, options={}, global_ranks=[0])
     try:
         t = torch.ones(2)
         from tdist._reduce_op import ReduceOp, Reduction

@@ -12,7 +12,8 @@ import time
 import _tcp_jobs as J
 import pytest
 import torch
-from _tcp_harness import DictStore, ProcWorld, make_backend, run_threads
+from tdist.plugin import HashStore
+from _tcp_harness import ProcWorld, make_backend, run_threads
 from tdist._errors import DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction
 from tdist_tcp import segment
@@ -130,7 +131,7 @@ def test_opt_out_env(monkeypatch):
 
 @pytest.mark.parametrize("decliner", [0, 2])
 def test_one_rank_declining_keeps_the_whole_group_on_sockets(decliner):
-    store = DictStore()
+    store = HashStore()
     out: list = [None] * 3
 
     def target(rank):
@@ -152,7 +153,7 @@ def test_one_rank_declining_keeps_the_whole_group_on_sockets(decliner):
 def test_ranks_with_different_tuning_still_agree():
     """The algorithm-deciding sizes are rank 0's on every rank (no silent desync when a
     program passes different options per rank)."""
-    store = DictStore()
+    store = HashStore()
     out: list = [None] * 2
     options = [{"shm_direct_bytes": 64, "shm_slot_bytes": 1 << 16}, {"shm_direct_bytes": 1 << 20}]
 
@@ -244,10 +245,10 @@ def test_init_destroy_cycles_release_every_segment_at_once(world2):
 _SETUP_PROGRAM = """
 import sys, time
 sys.path.insert(0, sys.argv[3])
-from _tcp_harness import DirStore, make_backend
+from _tcp_harness import dir_store, make_backend
 from tdist_tcp.mesh import connect_mesh
 
-rank, store = int(sys.argv[1]), DirStore(sys.argv[2])
+rank, store = int(sys.argv[1]), dir_store(sys.argv[2])
 if rank == 0:
     make_backend(store, 0, 2, 120.0)  # creates the segment, then waits for rank 1's answer
 else:
@@ -279,10 +280,10 @@ def test_every_rank_killed_during_setup_leaves_nothing(tmp_path):
     import subprocess
     import sys
 
-    from _tcp_harness import DirStore
+    from _tcp_harness import dir_store
 
     store_dir = str(tmp_path / "store")
-    store = DirStore(store_dir)
+    store = dir_store(store_dir)
     procs = [
         subprocess.Popen([sys.executable, "-c", _SETUP_PROGRAM, str(r), store_dir, os.path.dirname(__file__)])
         for r in (0, 1)
@@ -307,7 +308,7 @@ def test_setup_with_a_missing_rank_releases_the_segment():
     process neither maps it nor holds a descriptor of it any more."""
     from tdist_tcp.transport import Transport
 
-    store = DictStore()
+    store = HashStore()
     tr = Transport(0, 2, {}, 1.0)
     try:
         with pytest.raises(Exception) as info:

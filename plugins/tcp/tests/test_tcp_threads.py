@@ -15,7 +15,8 @@ import time
 import _tcp_jobs as J
 import pytest
 import torch
-from _tcp_harness import DictStore, make_backend, run_threads
+from tdist.plugin import HashStore
+from _tcp_harness import make_backend, run_threads
 from tdist._errors import DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction
 from tdist_tcp.auth import HELLO
@@ -185,7 +186,7 @@ def test_setup_timeout_names_ranks_that_never_arrived():
 
 
 def test_bad_handshakes_are_refused_and_setup_continues():
-    store = DictStore()
+    store = HashStore()
     out = {}
 
     def rank0():

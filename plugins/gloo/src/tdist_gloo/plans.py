@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from tdist.plugin import ReduceOp, premul_factor
+from tdist.plugin import ReduceOp, Reduction, check_reduction, plan_reduction, premul_factor
 
 from .torch_gloo import R, c10d
 
@@ -37,7 +37,7 @@ _TORCH_OP = {
     ReduceOp.AVG: R.AVG,
     ReduceOp.PREMUL_SUM: R.SUM,  # after multiplying by the factor
 }
-_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+_MINMAX = (ReduceOp.MIN, ReduceOp.MAX)
 
 #: dtypes gloo reduces and moves itself.
 _GLOO_FLOATS = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
@@ -71,49 +71,29 @@ class Plan:
         self.rs_opts.reduceOp = torch_op
 
 
-def _unsupported(operation: str, op: ReduceOp, dtype: Any, why: str) -> TypeError:
-    return TypeError(f"{operation}: backend 'gloo' cannot reduce {dtype} tensors with ReduceOp.{op.name}: {why}")
+#: dtypes gloo has no arithmetic for, reduced in a wider one it has (and cast back):
+#: integers as int64 (wrap-around is preserved), narrow floats (float8, ...) as float32.
+_WIDER = {
+    **{d: torch.int64 for d in _WIDENED_INTS},
+    **{
+        d: torch.float32
+        for d in vars(torch).values()
+        if isinstance(d, torch.dtype) and d.is_floating_point and d.itemsize <= 4 and d not in _GLOO_FLOATS
+    },
+}
 
 
 def make_plan(op: ReduceOp, dtype: Any, operation: str, factor: Any) -> Plan:
     """Choose how to run reduction ``op`` on ``dtype``, or raise TypeError (nothing sent yet)."""
-    torch_op = _TORCH_OP[op]
-    premul = op is ReduceOp.PREMUL_SUM
-    if dtype.is_complex:
-        if op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM):
-            return Plan(REAL, torch_op, prescale=premul)
-        raise _unsupported(
-            operation, op, dtype, "complex tensors reduce only with SUM, AVG and PREMUL_SUM (as in torch.distributed)"
-        )
-    if dtype.is_floating_point:
-        if op in _BITWISE:
-            raise _unsupported(operation, op, dtype, "bitwise reductions need integer or bool tensors")
-        if dtype in _GLOO_FLOATS:
-            return Plan(NATIVE, torch_op, prescale=premul)
-        if dtype.itemsize <= 4:  # float8 and other narrow formats: reduce in float32, round once
-            return Plan(WIDEN, torch_op, compute=torch.float32, prescale=premul)
-        raise _unsupported(operation, op, dtype, "gloo has no arithmetic for this dtype")
-    # integers and bool
-    if op is ReduceOp.AVG:
-        raise _unsupported(operation, op, dtype, "AVG needs floating-point or complex tensors")
-    if premul:
-        if dtype is torch.bool or _is_float_factor(factor):
-            raise _unsupported(operation, op, dtype, "PREMUL_SUM of integer tensors needs an integer factor")
-    if dtype in _GLOO_INTS or dtype is torch.bool:
-        if premul and dtype is torch.bool:
-            raise _unsupported(operation, op, dtype, "PREMUL_SUM is not defined for bool")
-        return Plan(NATIVE, torch_op, prescale=premul)
-    if dtype in _WIDENED_INTS:
-        return Plan(WIDEN, torch_op, compute=torch.int64, prescale=premul)
-    if _UINT64 is not None and dtype == _UINT64:
-        return Plan(U64, torch_op, compute=torch.int64, prescale=premul, flip=op in (ReduceOp.MIN, ReduceOp.MAX))
-    raise _unsupported(operation, op, dtype, "gloo has no arithmetic for this dtype")
-
-
-def _is_float_factor(factor: Any) -> bool:
-    if isinstance(factor, torch.Tensor):
-        return factor.dtype.is_floating_point or factor.dtype.is_complex
-    return isinstance(factor, (float, complex))
+    reduction = Reduction(op, factor)
+    if _UINT64 is not None and dtype == _UINT64:  # as int64, MIN/MAX with the sign bit flipped
+        check_reduction(reduction, dtype, f"{operation}: backend 'gloo'")
+        return Plan(U64, _TORCH_OP[op], compute=torch.int64, prescale=op is ReduceOp.PREMUL_SUM, flip=op in _MINMAX)
+    plan = plan_reduction(
+        reduction, dtype, GLOO_DTYPES, widen=_WIDER, complex_as_real=True, backend="gloo", operation=operation
+    )
+    kind = REAL if plan.as_real else WIDEN if plan.widened else NATIVE
+    return Plan(kind, _TORCH_OP[plan.op], compute=plan.compute if kind == WIDEN else None, prescale=plan.prescale)
 
 
 def io_buffer(plan: Plan, tensor: Any, factor: Any) -> tuple:

@@ -14,10 +14,11 @@ from typing import Any, Optional
 import torch
 
 from tdist import DistBackendError, ReduceOp
+from tdist.plugin import Reduction, plan_reduction
 
 from . import _runtime
 
-__all__ = ["Plan", "Tables", "buffer", "reduction_plan"]
+__all__ = ["Plan", "Tables", "buffer"]
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _STAGED = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64}
@@ -25,7 +26,6 @@ _FLOAT = (torch.float32, torch.float64)
 _COMPLEX = (torch.complex64, torch.complex128)
 _UNSIGNED = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
 _INTEGER = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + _UNSIGNED
-_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
 #: ``MPI.buffer.fromaddress`` once MPI is loaded (set by :class:`Tables`).
@@ -140,7 +140,6 @@ class Tables:
             ReduceOp.BOR: MPI.LOR,
             ReduceOp.BXOR: MPI.LXOR,
         }
-        self._plans: dict[tuple[torch.dtype, ReduceOp], Plan] = {}
 
     def xfer(self, dtype: torch.dtype) -> Any:
         """The MPI datatype that moves elements of ``dtype`` (an unsigned type of its size)."""
@@ -150,35 +149,18 @@ class Tables:
             dt = self._xfer[dtype] = self._by_size.get(size, self.MPI.BYTE)
         return dt
 
-    def plan(self, dtype: torch.dtype, op: ReduceOp, operation: str) -> Plan:
-        """The cached :class:`Plan`; a TypeError for a combination it cannot reduce."""
-        plan = self._plans.get((dtype, op))
-        if plan is None:
-            plan = self._plans[(dtype, op)] = reduction_plan(self, dtype, op, operation)
-        return plan
-
-
-def reduction_plan(tables: Tables, dtype: torch.dtype, op: ReduceOp, operation: str) -> Plan:
-    """The rules of :func:`tdist.reduction.check_reduction` (a TypeError for a dtype the
-    operator cannot reduce), applied again here so that nothing is sent before refusing."""
-    stage = _STAGED.get(dtype)
-    compute = stage or dtype
-
-    def refuse(what: str) -> TypeError:
-        return TypeError(f"{operation}: ReduceOp.{op.name} is not supported for {dtype} tensors ({what})")
-
-    if op in _BITWISE and compute not in _INTEGER + (torch.bool,):
-        raise refuse("bitwise operators need an integer or bool tensor")
-    if compute in _COMPLEX and op in (ReduceOp.MIN, ReduceOp.MAX):
-        raise refuse("MIN and MAX are not defined for complex numbers")
-    if op is ReduceOp.AVG and compute not in _FLOAT + _COMPLEX:
-        raise refuse("AVG needs a floating-point or complex tensor")
-    if op is ReduceOp.PREMUL_SUM and compute is torch.bool:
-        raise refuse("PREMUL_SUM is not defined for bool")
-    dt = tables._reduce_types.get(compute)
-    if dt is None:
-        raise refuse("MPI has no reduction datatype for it")
-    mpi_op = (tables._bool_ops if compute is torch.bool else tables._ops).get(op)
-    if mpi_op is None:
-        raise refuse("unknown operator")
-    return Plan(dt, mpi_op, stage, op is ReduceOp.AVG, op is ReduceOp.PREMUL_SUM)
+    def plan(self, dtype: torch.dtype, reduction: Reduction, operation: str) -> Plan:
+        """How to reduce ``dtype`` with ``reduction``; a TypeError for a combination MPI
+        cannot reduce, before anything is sent: tdist's rules (:func:`tdist.plugin.plan_reduction`),
+        half-precision staged in float32/complex64, AVG as SUM then a division."""
+        plan = plan_reduction(
+            reduction, dtype, self._reduce_types, widen=_STAGED, native_avg=False, backend="mpi", operation=operation
+        )
+        ops = self._bool_ops if plan.compute is torch.bool else self._ops
+        return Plan(
+            self._reduce_types[plan.compute],
+            ops[plan.op],
+            plan.compute if plan.widened else None,
+            plan.divide,
+            plan.prescale,
+        )

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from tdist.plugin import Backend, DistBackendError, Reduction, Work, premul_factor
+from tdist.plugin import Backend, DistBackendError, ReduceOp, Reduction, Work, premul_factor
 
 from ._dtypes import Plan, Tables, buffer
 from ._runtime import Runtime, check_collectives_default, mpi_error, runtime
@@ -95,7 +95,9 @@ class MPIBackend(Backend):
         key = (dtype, id(op.op))  # ReduceOp members are singletons; hashing an Enum runs Python code
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._tables.plan(dtype, op.op, operation)
+            plan = self._tables.plan(dtype, op, operation)
+            if op.op is not ReduceOp.PREMUL_SUM:  # PREMUL_SUM's validity depends on its factor
+                self._plans[key] = plan
         return plan
 
     def _check_tag(self, operation: str, tag: int) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tdist import ReduceOp, Reduction
+from tdist.plugin import plan_reduction as core_plan
 
 if TYPE_CHECKING:
     import torch
@@ -114,41 +115,33 @@ class ReducePlan:
 
 
 def plan_reduction(nccl: Any, version: int, dtype: Any, reduction: Reduction, operation: str) -> ReducePlan:
-    """Check ``reduction`` on ``dtype`` for NCCL and say how to run it. Raises TypeError
-    (or ValueError for a PREMUL_SUM without factor) before anything is communicated."""
+    """Check ``reduction`` on ``dtype`` for NCCL and say how to run it (tdist's planner:
+    complex tensors as their real view, AVG as SUM then a division before NCCL 2.10).
+    Raises TypeError (or ValueError for a PREMUL_SUM without factor) before anything is
+    communicated."""
+    import torch
+
     op = reduction.op
-    name = _name(dtype)
     if op in _BITWISE:
         raise TypeError(
             f"nccl {operation}: ReduceOp.{op.name} is not supported: NCCL has no bitwise reductions "
             "(use SUM/PRODUCT/MIN/MAX, or a CPU backend such as gloo or tcp)"
         )
-    if op is ReduceOp.PREMUL_SUM and reduction.factor is None:
-        raise ValueError(f"nccl {operation}: PREMUL_SUM needs a factor: build it with tdist.make_premul_sum(factor)")
-    as_real = name in COMPLEX_REAL
-    if as_real:
-        if op not in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM):
-            raise TypeError(
-                f"nccl {operation}: ReduceOp.{op.name} is not supported for {name} tensors "
-                "(NCCL reduces complex numbers as pairs of reals: SUM, AVG and PREMUL_SUM only)"
-            )
-        name = COMPLEX_REAL[name]
-    if name == "bool":
-        if op not in BOOL_OPS:
-            raise TypeError(f"nccl {operation}: ReduceOp.{op.name} is not defined for bool tensors")
-        op = BOOL_OPS[op]
-    if op is ReduceOp.AVG and not (name.startswith("float") or name == "bfloat16"):
-        raise TypeError(f"nccl {operation}: ReduceOp.AVG needs a floating-point or complex tensor, got {name}")
-    code = nccl_type(nccl, "torch." + name, version, operation)
-    divide = op is ReduceOp.AVG and (version < AVG_MIN_VERSION or not hasattr(nccl, "NCCL_AVG"))
-    nccl_op = int(getattr(nccl, NCCL_OP_NAMES[ReduceOp.SUM if divide else op]))
+    name = _name(dtype)
+    code = nccl_type(nccl, "torch." + COMPLEX_REAL.get(name, name), version, operation)  # or what NCCL lacks
+    native_avg = version >= AVG_MIN_VERSION and hasattr(nccl, "NCCL_AVG")
+    natives = {getattr(torch, n) for n in NCCL_TYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)}
+    plan = core_plan(
+        reduction, dtype, natives, complex_as_real=True, native_avg=native_avg, backend="nccl", operation=operation
+    )
+    applied = BOOL_OPS[plan.op] if plan.compute is torch.bool else plan.op
     return ReducePlan(
         nccl_type=code,
-        nccl_op=nccl_op,
-        as_real=as_real,
-        prescale=op is ReduceOp.PREMUL_SUM,
-        factor=reduction.factor if op is ReduceOp.PREMUL_SUM else None,
-        divide=divide,
+        nccl_op=int(getattr(nccl, NCCL_OP_NAMES[applied])),
+        as_real=plan.as_real,
+        prescale=plan.prescale,
+        factor=reduction.factor if plan.prescale else None,
+        divide=plan.divide,
     )
 
 
