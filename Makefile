@@ -28,7 +28,8 @@ $(STAMP): Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 	$(PIP) install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	touch $(STAMP)
 
-test: venv lint
+# The docs are built in strict mode first (a broken link or reference fails the run).
+test: venv lint docs
 	$(PY) -m pytest -q
 
 # Static checks, part of `make test` (and so of CI): ruff's lint rules and formatting, and mypy
@@ -43,7 +44,7 @@ lint: venv
 demo: venv
 	$(VENV)/bin/tdistrun --nproc_per_node 4 examples/train.py --backend tcp
 
-# The docs tools are installed only by this target: `make test` does not need them.
+# The docs tools are installed by this target (`make test` builds the docs too).
 DOCS_DEPS := "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=0.29"
 
 docs: venv
