@@ -36,7 +36,6 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from .._local import find_mpirun, free_port, mpirun_env
@@ -52,6 +51,15 @@ from ._common import (
     fn_ref,
 )
 from ._protocol import HANDSHAKE_TIMEOUT, accept_worker, recv_msg, send_msg
+from .outcomes import (
+    RankFailure,
+    WorldError,
+    WorldRunError,
+    WorldStartError,
+    WorldTimeoutError,
+    failures_first,
+    indent,
+)
 
 __all__ = [
     "World",
@@ -73,103 +81,6 @@ LAUNCHERS = ("env", "mpi")
 _INIT_REF = "tdist.testing._worker:init_process_group"
 _HEALTH_REF = "tdist.testing._worker:health_check"
 _LOG_TAIL = 4000
-
-
-class WorldError(RuntimeError):
-    """The harness itself failed (a world could not start, or is dead)."""
-
-
-class WorldStartError(WorldError):
-    """Workers could not be started, did not connect, or failed ``init_process_group``."""
-
-
-class WorldRunError(AssertionError):
-    """A body failed on at least one rank; the message holds every failing rank's traceback."""
-
-    def __init__(self, message: str, outcomes: Sequence[Any] = ()) -> None:
-        super().__init__(message)
-        self.outcomes = list(outcomes)
-
-
-class WorldTimeoutError(WorldRunError):
-    """Some ranks did not answer within the body's timeout; the world was killed."""
-
-
-@dataclass
-class RankFailure:
-    """What happened on a rank that did not return normally.
-
-    ``kind`` is ``"error"`` (the body raised), ``"died"`` (the process exited or
-    its connection closed), ``"timeout"`` (no answer in time; the world was killed) or
-    ``"stopped"`` (killed without waiting for it, because another rank's body raised:
-    see ``fail_fast`` in :meth:`World.try_run`).
-    For errors, ``type_name`` is the exception class name, ``mro`` the
-    ``module.qualname`` of each class in its MRO, ``exception`` the exception
-    itself when it could be pickled back (else None).
-    """
-
-    rank: int
-    kind: str
-    type_name: str = ""
-    message: str = ""
-    traceback: str = ""
-    mro: tuple[str, ...] = ()
-    exception: Optional[BaseException] = None
-    elapsed: float = 0.0
-    log_tail: str = ""
-
-    def is_a(self, *types: Union[str, type]) -> bool:
-        """True if the error is an instance of any of ``types`` (classes or names;
-        a bare name matches any module, a dotted name must match exactly)."""
-        if self.kind != "error":
-            return False
-        short = {entry.rsplit(".", 1)[-1] for entry in self.mro}
-        for t in types:
-            if isinstance(t, type):
-                if self.exception is not None and isinstance(self.exception, t):
-                    return True
-                name = f"{t.__module__}.{t.__qualname__}"
-                if name in self.mro:
-                    return True
-                if t.__module__ == "builtins" and t.__qualname__ in short:
-                    return True
-            elif "." in t:
-                if t in self.mro:
-                    return True
-            elif t in short:
-                return True
-        return False
-
-    @property
-    def headline(self) -> str:
-        if self.kind == "error":
-            first = self.message.strip().splitlines()[0] if self.message.strip() else ""
-            return f"{self.type_name}: {first}"
-        return f"{self.kind}: {self.message}"
-
-    def __str__(self) -> str:
-        text = f"--- rank {self.rank}: {self.headline}"
-        if self.kind == "error" and self.traceback:
-            text += "\n" + self.traceback.rstrip()
-        elif self.kind == "error" and self.message:
-            text += "\n" + self.message
-        if self.log_tail:
-            text += f"\n    (tail of rank {self.rank}'s output)\n" + _indent(self.log_tail.rstrip(), "    | ")
-        return text
-
-
-def failures_first(outcomes: Sequence[Any]) -> list[RankFailure]:
-    """The failures among ``outcomes``, the most telling first: ranks whose body raised
-    (assertions first, earliest first), then the ranks that died, timed out or were
-    stopped (usually only waiting for the first)."""
-    return sorted(
-        (o for o in outcomes if isinstance(o, RankFailure)),
-        key=lambda f: (f.kind != "error", not f.is_a(AssertionError), f.elapsed),
-    )
-
-
-def _indent(text: str, prefix: str) -> str:
-    return "\n".join(prefix + line for line in text.splitlines())
 
 
 _LIVE: "weakref.WeakSet[World]" = weakref.WeakSet()
@@ -741,7 +652,7 @@ class World:
         for r in ranks:
             tail = self._log_tail(r)
             if tail:
-                parts.append(f"(tail of rank {r}'s output)\n" + _indent(tail.rstrip(), "    | "))
+                parts.append(f"(tail of rank {r}'s output)\n" + indent(tail.rstrip(), "    | "))
         return "\n".join(parts)
 
     def output(self, rank: int) -> str:

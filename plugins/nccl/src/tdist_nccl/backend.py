@@ -32,7 +32,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from tdist import Backend, DistBackendError, DistError, Reduction, Work
-from tdist.plugin import prescale_, prescaled
+from tdist.plugin import backend_error, prescale_, prescaled
 
 from . import BACKEND_NAME
 from .buffers import Staging, nbytes, ptr, readable
@@ -124,7 +124,7 @@ class NcclBackend(Backend):
         except (DistError, ValueError, TypeError):
             raise
         except Exception as exc:
-            raise DistBackendError(f"nccl {operation}: {type(exc).__name__}: {exc}") from exc
+            raise backend_error(BACKEND_NAME, operation, exc, f"{type(exc).__name__}: {exc}") from exc
 
     def check_open(self, operation: str) -> None:
         if self._closed:

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from tdist.plugin import DistBackendError, Work
+from tdist.plugin import DistBackendError, Work, backend_error
 
 from .cuda import CudaEvent
 
@@ -155,6 +155,6 @@ class NcclWork(Work):
             for event in self._cuda_events:
                 event.synchronize()
         except BaseException as exc:  # pragma: no cover - CUDA errors surface here
-            self.fail(DistBackendError(f"nccl {self.op}: {exc}"))
+            self.fail(backend_error("nccl", self.op, exc))
             return
         self._mark_done()
