@@ -52,6 +52,7 @@ CASES = [
     Case("single_threaded", "concurrent_threads", "concurrent operations failed"),
     Case("recv_accepts_anything", "recv_wrong_size_fails or recv_wrong_dtype_fails", "nothing was raised"),
     Case("no_source_rank", "any_source_arrival_order", "completed without a source rank", sizes="4"),
+    Case("any_source_by_rotation", "any_source_arrival_order", "receives completed with senders [3, 2, 1]", sizes="4"),
     Case("declares_int16_unsupported", "reduce_ops and int16 and all_reduce", "the declaration is wrong"),
     Case("refuses_uint8", "reduce_ops and uint8 and all_reduce", "all_reduce on uint8 is not supported"),
     Case("early_is_completed", "is_completed_means_done", "is_completed() was True while"),

@@ -29,6 +29,7 @@ VIOLATIONS: dict[str, str] = {
     "single_threaded": "an operation issued while another thread's is pending raises",
     "recv_accepts_anything": "a receive that fails (wrong size or dtype, ...) completes successfully",
     "no_source_rank": "receives complete without naming their sender",
+    "any_source_by_rotation": "any-source receives take the peers in a fixed order (last rank first), not arrival order",
     "declares_int16_unsupported": "declares dtype.int16 unsupported, yet reduces int16 correctly",
     "refuses_uint8": "raises on uint8 reductions it declares supported",
     "early_is_completed": "is_completed() is True as soon as an operation is issued",

@@ -85,6 +85,7 @@ class BrokenBackend(Backend):
         self._lock = threading.Lock()
         self._pending: list[tuple[int, Work]] = []  # single_threaded: (thread id, Work)
         self._sends: Optional[queue.Queue] = None  # lazy_send: what the sender thread sends
+        self._any_sources = 0  # any_source_by_rotation: any-source receives so far
 
     # ------------------------------------------------------------ the wrapper
     def _issue(
@@ -156,6 +157,9 @@ class BrokenBackend(Backend):
             self.inner.send(tensor, dst, tag).wait()
 
     def recv(self, tensor: torch.Tensor, src: Optional[int], tag: int) -> Work:
+        if src is None and self.mode == "any_source_by_rotation":
+            peers = [q for q in reversed(range(self.size)) if q != self.rank]
+            src, self._any_sources = peers[self._any_sources % len(peers)], self._any_sources + 1
         return self._issue("recv", lambda: self.inner.recv(tensor, src, tag), (tensor,), src)
 
     # ------------------------------------------------------------ collectives
