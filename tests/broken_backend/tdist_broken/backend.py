@@ -20,6 +20,8 @@ from tdist_tcp.plugin import create_tcp_backend
 from . import violation
 
 _REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
+#: Seconds a lazy send waits before it reads the caller's buffer.
+LAZY_SEND = 1.0
 
 
 class _Outer(Work):
@@ -81,7 +83,6 @@ class BrokenBackend(Backend):
         self.inner = create_tcp_backend(**kwargs)
         super().__init__(self.inner.rank, self.inner.size, self.inner.timeout)
         self.mode = violation()
-        self._shut_down = False
         self._lock = threading.Lock()
         self._pending: list[tuple[int, Work]] = []  # single_threaded: (thread id, Work)
         self._sends: Optional[queue.Queue] = None  # lazy_send: what the sender thread sends
@@ -107,8 +108,8 @@ class BrokenBackend(Backend):
     def _finish(self, op: str, outer: Work, inner: Work, tensors: Sequence[torch.Tensor], src: Optional[int]) -> bool:
         mode, exc = self.mode, inner.exception()
         if exc is not None:
-            if mode == "pending_survive_destroy" and self._shut_down:
-                return False
+            if mode == "pending_survive_destroy" and op == "recv":
+                return False  # the group (here or at the peer) was destroyed: never completes
             if mode == "recv_accepts_anything" and op == "recv":
                 outer.set_result((), 0 if src is None else src)
                 return True
@@ -153,7 +154,7 @@ class BrokenBackend(Backend):
     def _sender(self, sends: queue.Queue) -> None:
         while True:
             tensor, dst, tag = sends.get()
-            time.sleep(0.2)
+            time.sleep(LAZY_SEND)
             self.inner.send(tensor, dst, tag).wait()
 
     def recv(self, tensor: torch.Tensor, src: Optional[int], tag: int) -> Work:
@@ -208,5 +209,4 @@ class BrokenBackend(Backend):
         return self._issue("all_to_all_single", issue)
 
     def shutdown(self) -> None:
-        self._shut_down = True
         self.inner.shutdown()

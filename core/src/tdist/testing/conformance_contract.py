@@ -39,6 +39,8 @@ __all__ = [
 PEER_DELAY = 1.5
 #: Seconds a Work whose peers have all joined may take to complete without wait().
 COMPLETION_LIMIT = 10.0
+#: Seconds a peer waits before joining an operation whose is_completed() is being watched.
+LATE = 0.3
 
 
 def _torch() -> Any:
@@ -251,11 +253,14 @@ def _source(work: Any) -> Any:
 @body(min_world_size=2, timeout=60)
 def is_completed_means_done():
     """Once is_completed() is True the output holds the result (before any wait());
-    a Work whose peers finished completes without being waited on."""
+    a Work whose peers finished completes without being waited on. The peers of the
+    rank that checks join late, so that an early "completed" cannot go unnoticed."""
     torch = _torch()
     r, n = dist.get_rank(), dist.get_world_size()
     numel = 1 << 19
     t = torch.full((numel,), float(r))
+    if r != 0:
+        time.sleep(LATE)
     w = dist.all_reduce(t, async_op=True)
     deadline = time.monotonic() + COMPLETION_LIMIT
     while not w.is_completed():
@@ -281,6 +286,7 @@ def is_completed_means_done():
         bad = int((got != 4.0).sum())
         assert_true(bad == 0, f"irecv's is_completed() was True while {bad} of {numel} values had not arrived")
     elif r == 0:
+        time.sleep(LATE)
         dist.send(torch.full((numel,), 4.0), dst=1)
     dist.barrier()
 
