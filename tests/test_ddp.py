@@ -20,7 +20,8 @@ import tdist  # noqa: E402
 from tdist._local import find_mpirun, mpirun_env  # noqa: E402
 
 import ddp_scenarios as S  # noqa: E402
-from jobs import ROOT, TESTS, base_env, kill_session, python_job, run_job  # noqa: E402
+from repo_paths import ROOT, TESTS  # noqa: E402
+from tdist.testing.processes import base_env, kill_session, python_job, run_job  # noqa: E402
 
 WORLD_SIZE = 2
 TOLERANCE = 1e-5

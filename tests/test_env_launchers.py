@@ -23,7 +23,8 @@ pytest.importorskip("torch")
 
 import tdist  # noqa: E402
 
-from jobs import base_env, free_port, run_job  # noqa: E402
+from tdist.testing import free_port  # noqa: E402
+from tdist.testing.processes import base_env, run_job  # noqa: E402
 
 BACKEND = "tcp"
 JOB_TIMEOUT = 90

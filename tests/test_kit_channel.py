@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import base_env, kill_session
+from tdist.testing.processes import base_env, kill_session
 from tdist.testing import World
 
 pytestmark = pytest.mark.timeout(120)

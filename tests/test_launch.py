@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs import base_env, free_port, kill_session, pid_alive, run_job
+from tdist.testing import free_port
+from tdist.testing.processes import JobResult, base_env, kill_session, pid_alive, run_job
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -52,26 +53,9 @@ def write(tmp_path: Path, name: str, code: str) -> str:
     return str(path)
 
 
-def launch(args, timeout: float = 60, env=None, cwd=None, launcher=LAUNCH) -> subprocess.CompletedProcess:
-    """Run the launcher to completion; kill its whole session on timeout."""
-    proc = subprocess.Popen(
-        [*launcher, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env or base_env(),
-        cwd=cwd,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        out, err = proc.communicate()
-        pytest.fail(f"launcher did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    finally:
-        kill_session(proc.pid)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+def launch(args, timeout: float = 60, env=None, cwd=None, launcher=LAUNCH) -> JobResult:
+    """Run the launcher to completion; its whole session is killed past ``timeout``."""
+    return run_job([[*launcher, *args]], [env or base_env()], timeout, cwd)[0]
 
 
 def reports(stdout: str) -> dict[int, dict]:

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import pytest
 
-from jobs import base_env
+from tdist.testing.processes import base_env
 from test_multihost import JOB, NET, SIZE, check_job, finish, job_results
 from tdist._errors import DistNetworkError
 from tdist._rendezvous.multicast import Peer, assign_ranks

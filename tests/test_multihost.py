@@ -25,7 +25,8 @@ from typing import Sequence
 
 import pytest
 
-from jobs import ROOT, TESTS, base_env
+from repo_paths import ROOT, TESTS
+from tdist.testing.processes import base_env
 from tdist._local import find_mpirun, mpirun_env
 from tdist.testing.cluster import Cluster, HostCommandError, reclaim_stale, unavailable_reason
 

@@ -15,7 +15,9 @@ from typing import Optional
 
 import pytest
 
-from jobs import TESTS, base_env, free_port, kill_session
+from repo_paths import TESTS
+from tdist.testing import free_port
+from tdist.testing.processes import base_env, kill_session
 from tdist import TCPStore
 
 pytestmark = pytest.mark.timeout(240)

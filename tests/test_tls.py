@@ -12,7 +12,7 @@ from tdist._store.tls import TlsConfig
 
 from tdist.testing.tls_certs import OPENSSL, make_pki, tls_env
 
-from jobs import python_job
+from tdist.testing.processes import python_job
 
 pytestmark = pytest.mark.skipif(
     OPENSSL is None,

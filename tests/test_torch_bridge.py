@@ -28,7 +28,9 @@ torch = pytest.importorskip("torch")
 import torch.distributed as td  # noqa: E402
 
 import tdist  # noqa: E402
-from jobs import ROOT, TESTS, base_env, free_port, python_job, run_job  # noqa: E402
+from repo_paths import ROOT, TESTS  # noqa: E402
+from tdist.testing import free_port  # noqa: E402
+from tdist.testing.processes import base_env, python_job, run_job  # noqa: E402
 
 JOB_TIMEOUT = 180
 SHORT = timedelta(seconds=10)

@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from jobs import Result, base_env, free_port, run_job  # noqa: E402
+from tdist.testing import free_port  # noqa: E402
+from tdist.testing.processes import JobResult, base_env, run_job  # noqa: E402
 
 LAUNCH_TIMEOUT = 150
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 30)]
@@ -64,7 +65,7 @@ def program(tmp_path) -> str:
     return str(path)
 
 
-def run(launcher: list[str], args: list[str], **env: str) -> Result:
+def run(launcher: list[str], args: list[str], **env: str) -> JobResult:
     """Run one launcher to the end (its session is killed whatever happens)."""
     return run_job([[*launcher, *args]], [base_env(**env)], timeout=LAUNCH_TIMEOUT)[0]
 

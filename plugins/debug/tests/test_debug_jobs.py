@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from jobs import base_env, python_job, run_job
+from tdist.testing.processes import base_env, python_job, run_job
 
 import tdist
 from tdist._local import find_mpirun, mpirun_env

@@ -1,7 +1,9 @@
-"""Bodies run on every rank by tdist-gloo's multi-process tests (see gloo_world.py).
+"""Bodies run on every rank of a tdist.testing World (started without a process
+group) by tdist-gloo's multi-process tests.
 
-Each body is ``body(rank, world_size, **kwargs)``; it initialises tdist with the
-gloo backend, checks, tears down, and returns something small.
+Each body is ``body(**kwargs)`` and learns its rank from the environment the world
+set; it initialises tdist with the gloo backend, checks, tears down, and returns
+something small.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ def _init(timeout: float = 30.0, init_method: str = "env://", torch_bridge: bool
         torch_bridge=torch_bridge,
     )
     return tdist
+
+
+def _rank_and_size() -> tuple[int, int]:
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def _eq(got: Any, want: Any, what: str) -> None:
@@ -66,9 +72,10 @@ def _exact(op: str, xs: list) -> Any:
     return out
 
 
-def emulated_reductions(rank: int, world_size: int) -> int:
+def emulated_reductions() -> int:
     """int16/uint16/uint32/uint64 (every operator) and float8 (arithmetic ones) through
     all_reduce, reduce, reduce_scatter and reduce_scatter_tensor, against exact results."""
+    rank, world_size = _rank_and_size()
     import torch
 
     dist = _init()
@@ -154,9 +161,10 @@ def emulated_reductions(rank: int, world_size: int) -> int:
     return checked
 
 
-def premul_avg_complex(rank: int, world_size: int) -> int:
+def premul_avg_complex() -> int:
     """PREMUL_SUM (number, tensor factor) and AVG on every reducing collective; complex
     SUM/AVG; integer PREMUL_SUM with an integer factor; what stays invalid raises first."""
+    rank, world_size = _rank_and_size()
     import torch
 
     dist = _init()
@@ -232,9 +240,10 @@ def premul_avg_complex(rank: int, world_size: int) -> int:
     return checked
 
 
-def data_movement(rank: int, world_size: int) -> int:
+def data_movement() -> int:
     """Every data-moving operation on dtypes gloo cannot carry (through their bytes) and on
     native ones with shapes gloo would refuse; all_to_all with different sizes per peer."""
+    rank, world_size = _rank_and_size()
     import torch
 
     dist = _init()
@@ -313,9 +322,10 @@ def data_movement(rank: int, world_size: int) -> int:
 
 
 # ------------------------------------------------------------------ work objects
-def work_semantics(rank: int, world_size: int) -> dict:
+def work_semantics() -> dict:
     """recv from any source, source_rank, is_completed polling on gloo's p2p works,
     wait(timeout) that expires and then completes, futures, callbacks, tags."""
+    rank, world_size = _rank_and_size()
     import torch
 
     dist = _init()
@@ -433,9 +443,10 @@ def work_semantics(rank: int, world_size: int) -> dict:
 
 
 # ------------------------------------------------------------------ failures
-def op_timeout(rank: int, world_size: int) -> str:
+def op_timeout() -> str:
     """Rank 1 never joins an all_reduce: rank 0's gloo gives up after the group's
     timeout with DistBackendTimeoutError carrying gloo's message."""
+    rank, world_size = _rank_and_size()
     import torch
 
     dist = _init(timeout=2.0)
@@ -455,8 +466,9 @@ def op_timeout(rank: int, world_size: int) -> str:
     return ""
 
 
-def peer_dies(rank: int, world_size: int) -> str:
+def peer_dies() -> str:
     """Rank 1 exits mid-job: rank 0's next collective fails with DistBackendError."""
+    rank, world_size = _rank_and_size()
     import torch
 
     dist = _init(timeout=20.0)
@@ -473,9 +485,10 @@ def peer_dies(rank: int, world_size: int) -> str:
 
 
 # ------------------------------------------------------------ torch side by side
-def side_by_side(rank: int, world_size: int, torch_port: int) -> list:
+def side_by_side(torch_port: int) -> list:
     """tdist (gloo) and torch.distributed (its own gloo group) in one process, interleaved;
     tdist.new_group builds a second ProcessGroupGloo over a PrefixStore."""
+    rank, world_size = _rank_and_size()
     import torch
     import torch.distributed as td
 
@@ -517,8 +530,9 @@ def side_by_side(rank: int, world_size: int, torch_port: int) -> list:
     return result
 
 
-def init_methods(rank: int, world_size: int, init_method: str) -> float:
+def init_methods(init_method: str) -> float:
     """gloo rendezvouses through whatever store tdist's init method made."""
+    rank, world_size = _rank_and_size()
     import torch
 
     dist = _init(init_method=init_method)
@@ -530,8 +544,9 @@ def init_methods(rank: int, world_size: int, init_method: str) -> float:
     return t[0].item()
 
 
-def interface_option(rank: int, world_size: int) -> float:
+def interface_option() -> float:
     """pg_options={"gloo_interface": "lo"} (and GLOO_SOCKET_IFNAME) pick the device."""
+    rank, world_size = _rank_and_size()
     import torch
 
     dist = _init(gloo_interface="lo", gloo_threads=1)

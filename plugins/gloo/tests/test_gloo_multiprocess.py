@@ -1,14 +1,21 @@
-"""Multi-process tests of the gloo backend (2-3 processes each; every world is killed
-on failure or timeout by gloo_world.run_world)."""
+"""Multi-process tests of the gloo backend: 2-3 processes each, a one-off
+tdist.testing World started without a process group (the bodies make their own),
+killed when the test ends, fails or times out."""
 
 from __future__ import annotations
 
 import pytest
 
 import gloo_bodies as bodies
-from gloo_world import free_port, run_world
+from tdist.testing import RankFailure, World, free_port
 
 pytestmark = pytest.mark.slow
+
+
+def run_world(body, world_size: int, timeout: float, env=None, **kwargs) -> list:
+    """``body(**kwargs)`` on every rank of a fresh world; the results by rank."""
+    with World.spawn("gloo", world_size, init=False, env=env) as world:
+        return world.run(body, timeout=timeout, **kwargs)
 
 
 @pytest.mark.timeout(240)
@@ -47,8 +54,10 @@ def test_gloo_timeout_becomes_backend_timeout_error():
 
 @pytest.mark.timeout(120)
 def test_dead_peer_becomes_backend_error():
-    message = run_world(bodies.peer_dies, 2, timeout=90, may_exit=(1,))[0]
-    assert message.startswith("Dist")
+    with World.spawn("gloo", 2, init=False) as world:
+        message, rank1 = world.try_run(bodies.peer_dies, timeout=90)
+    assert isinstance(rank1, RankFailure) and rank1.kind == "died", rank1
+    assert message.startswith("Dist"), message
 
 
 @pytest.mark.timeout(180)

@@ -87,7 +87,6 @@ def test_unavailable_backend_registers_with_a_reason(setup, reason):
 @pytest.mark.parametrize("n", [2, 4])
 def test_all_operations(mpi_ready, n):
     result = run_mpi(n, "ops.py", timeout=300)
-    assert not result.timed_out, f"mpirun -n {n} ops.py timed out\n{result.output[-6000:]}"
     assert result.returncode == 0, result.output[-6000:]
     assert len(result.lines("ALL OK")) == n, result.output[-6000:]
     assert "thread level MPI_THREAD_MULTIPLE" in result.output
@@ -99,7 +98,7 @@ def test_serialised_thread_level_and_collective_checks(mpi_ready):
     # TDIST_MPI_CHECK_COLLECTIVES=1 every collective is verified first (no false alarm).
     env = {"MPI4PY_RC_THREAD_LEVEL": "serialized", "TDIST_MPI_CHECK_COLLECTIVES": "1"}
     result = run_mpi(2, "ops.py", "0,2,3,4,7,9", env=env, timeout=200)
-    assert not result.timed_out and result.returncode == 0, result.output[-6000:]
+    assert result.returncode == 0, result.output[-6000:]
     assert "thread level MPI_THREAD_SERIALIZED" in result.output, result.output[-3000:]
     assert len(result.lines("ALL OK")) == 2
 
@@ -160,13 +159,11 @@ def test_tutorial_verbatim_init_process_0_0(mpi_ready):
 # ------------------------------------------------------------ errors and abort
 @pytest.mark.parametrize("mode, n", [("recv", 3), ("collective", 2)])
 def test_uncaught_exception_aborts_the_job(mpi_ready, mode, n):
-    result = run_mpi(n, "abort.py", mode, timeout=60)
-    assert not result.timed_out, f"the job hung after a rank raised\n{result.output[-4000:]}"
+    result = run_mpi(n, "abort.py", mode, timeout=45)  # a hang raises JobTimeoutError
     assert result.returncode != 0, result.output[-4000:]
     assert f"boom on rank {n - 1}" in result.output, result.output[-4000:]
     assert "calling MPI_Abort" in result.output, result.output[-4000:]
     assert "NOT ABORTED" not in result.output
-    assert result.seconds < 45
 
 
 def test_rank_that_disagrees_with_mpi_is_an_error_on_every_rank(mpi_ready):

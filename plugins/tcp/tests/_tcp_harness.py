@@ -3,14 +3,13 @@
 - :func:`dir_store`: tdist's FileStore in a job's directory, shared by its processes
   (threads of one process share a :class:`tdist.HashStore`).
 - :func:`run_threads`: run ``body(backend, rank)`` on every rank of a world of threads.
-- :class:`ProcWorld`: long-lived spawned worker processes (torch imported once) that
+- :class:`ProcWorld`: long-lived worker processes (a :class:`tdist.testing.World`) that
   each build a fresh backend per job, run a job function from ``_tcp_jobs`` and
   send back its result; dead workers are replaced on the next job.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -19,6 +18,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
 
 from tdist.plugin import FileStore, HashStore, Store
+from tdist.testing import RankFailure, World
 
 
 def dir_store(path: str) -> Store:
@@ -102,63 +102,36 @@ def run_threads(
 
 
 # ------------------------------------------------------------------ processes
-def _worker_main(rank: int, world: int, conn: Any) -> None:
-    import importlib
+def run_tcp_job(name: str, args: tuple, store_dir: str, options: dict, backend_timeout: float, secret: bytes) -> Any:
+    """On a :class:`ProcWorld` worker: ``_tcp_jobs.<name>(backend, rank, *args)`` with a fresh
+    backend over the job's directory store; the backend is shut down afterwards."""
+    import _tcp_jobs
 
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            msg = None
-        if msg is None:  # skip the interpreter's slow teardown (torch); backends are already shut down
-            conn.close()
-            os._exit(0)
-        module, name, args, store_dir, options, backend_timeout, secret = msg
-        backend = None
-        try:
-            fn = getattr(importlib.import_module(module), name)
-            store = dir_store(store_dir)
-            backend = make_backend(store, rank, world, backend_timeout, options, secret)
-            backend.test_store = store
-            reply = ("ok", fn(backend, rank, *args))
-        except BaseException as exc:
-            reply = ("err", f"{type(exc).__name__}: {exc}", traceback.format_exc())
-        finally:
-            if backend is not None:
-                backend.shutdown()
-        conn.send(reply)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dir_store(store_dir)
+    backend = make_backend(store, rank, world, backend_timeout, options, secret)
+    backend.test_store = store
+    try:
+        return getattr(_tcp_jobs, name)(backend, rank, *args)
+    finally:
+        backend.shutdown()
 
 
 class ProcWorld:
-    """``n`` spawned worker processes that run job functions of ``_tcp_jobs``."""
+    """``n`` long-lived worker processes (a :class:`tdist.testing.World` without a process
+    group: torch is imported once) that run job functions of ``_tcp_jobs``, each job with
+    a fresh backend and its own store directory under ``root``. Workers that die are
+    replaced on the next job; the survivors stay (their state can be inspected)."""
 
     def __init__(self, n: int, root: str) -> None:
         self.n = n
         self.root = root
-        self.ctx = mp.get_context("spawn")
-        self.procs: list = [None] * n
-        self.conns: list = [None] * n
         self.jobs = 0
-        for rank in range(n):
-            self._spawn(rank)
-
-    def _spawn(self, rank: int) -> None:
-        parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(
-            target=_worker_main, args=(rank, self.n, child), daemon=True, name=f"tcp-test-rank{rank}"
-        )
-        proc.start()
-        child.close()
-        self.procs[rank], self.conns[rank] = proc, parent
-
-    def ensure_alive(self) -> None:
-        for rank, proc in enumerate(self.procs):
-            if not proc.is_alive():
-                self.conns[rank].close()
-                self._spawn(rank)
+        self.world = World("tcp", n, init=False).start()
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        pids = self.world.pids
+        return [pids[rank] for rank in range(self.n)]
 
     def run(
         self,
@@ -176,58 +149,22 @@ class ProcWorld:
         Ranks in ``dead_ok`` may die (their slot is then ``"dead"``). ``during(world, store_dir)``
         runs in this process while the job runs. ``secret``: the factory's (authenticates the mesh).
         """
-        self.ensure_alive()
         self.jobs += 1
         store_dir = os.path.join(self.root, f"job{self.jobs}")
         os.makedirs(store_dir)
-        for conn in self.conns:
-            conn.send(("_tcp_jobs", name, args, store_dir, options or {}, backend_timeout, secret))
-        if during is not None:
-            during(self, store_dir)
-        results: list = [None] * self.n
-        deadline = time.monotonic() + timeout
-        for rank, conn in enumerate(self.conns):
-            while True:
-                if conn.poll(0.05):
-                    try:
-                        results[rank] = conn.recv()
-                    except EOFError:
-                        results[rank] = ("dead",)
-                    break
-                if not self.procs[rank].is_alive():
-                    results[rank] = ("dead",)
-                    break
-                if time.monotonic() > deadline:
-                    self.kill_all()
-                    raise RankError(f"job {name}: rank {rank} did not answer within {timeout} s (world killed)")
-        out = []
-        for rank, reply in enumerate(results):
-            if reply[0] == "ok":
-                out.append(reply[1])
-            elif reply[0] == "dead" and rank in dead_ok:
-                out.append("dead")
-            elif reply[0] == "dead":
-                raise RankError(f"job {name}: rank {rank} died")
-            else:
-                raise RankError(f"job {name}: rank {rank} failed: {reply[1]}\n{reply[2]}")
-        return out
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc is not None and proc.is_alive():
-                proc.kill()
-        for proc in self.procs:
-            if proc is not None:
-                proc.join(5)
+        job = dict(name=name, args=args, store_dir=store_dir, options=options or {})
+        pending = self.world.submit(run_tcp_job, timeout=timeout, backend_timeout=backend_timeout, secret=secret, **job)
+        try:
+            if during is not None:
+                during(self, store_dir)
+        finally:
+            outcomes = pending.outcomes()
+        allowed = [
+            rank in dead_ok and isinstance(o, RankFailure) and o.kind == "died" for rank, o in enumerate(outcomes)
+        ]
+        if any(isinstance(o, RankFailure) and not ok for o, ok in zip(outcomes, allowed)):
+            raise self.world.error_for(f"_tcp_jobs:{name}", outcomes)
+        return ["dead" if ok else o for o, ok in zip(outcomes, allowed)]
 
     def close(self) -> None:
-        for conn, proc in zip(self.conns, self.procs):
-            try:
-                if proc.is_alive():
-                    conn.send(None)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 5
-        for proc in self.procs:
-            proc.join(max(0.1, deadline - time.monotonic()))
-        self.kill_all()
+        self.world.close()

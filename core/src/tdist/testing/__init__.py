@@ -9,6 +9,8 @@
 - :func:`collect`: generate one pytest test per body in a test module; the
   pytest plugin (:mod:`tdist.testing.pytest_plugin`, entry point ``tdist``)
   provides ``--tdist-backend``/``--tdist-world-sizes`` and the ``tdist_world`` fixture.
+- :mod:`tdist.testing.processes`: whole programs (a script under a launcher, ``mpirun``)
+  as processes with a hard timeout, killed with everything they started.
 - :mod:`tdist.testing.cluster`: a simulated cluster (hosts as network namespaces on
   this machine) for tests across hosts; the plugin's ``tdist_cluster`` fixture.
 - :func:`dist_module`: the module under test (``tdist``, or ``torch.distributed``

@@ -27,18 +27,15 @@ import os
 import pickle
 import queue
 import secrets
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
-from .._local import find_mpirun, free_port, mpirun_env
+from .._local import find_mpirun, free_port
 from ._common import (
     BACKEND_ENV,
     CONTROLLER_ENV,
@@ -51,6 +48,7 @@ from ._common import (
     fn_ref,
 )
 from ._protocol import HANDSHAKE_TIMEOUT, accept_worker, recv_msg, send_msg
+from ._workers import Workers
 from .outcomes import (
     RankFailure,
     WorldError,
@@ -80,7 +78,6 @@ LAUNCHERS = ("env", "mpi")
 
 _INIT_REF = "tdist.testing._worker:init_process_group"
 _HEALTH_REF = "tdist.testing._worker:health_check"
-_LOG_TAIL = 4000
 
 
 _LIVE: "weakref.WeakSet[World]" = weakref.WeakSet()
@@ -121,7 +118,10 @@ class World:
     ``init_process_group`` (``env://`` uses MASTER_ADDR/MASTER_PORT, which the
     world sets). ``pg_timeout``: the process group's timeout in seconds.
     ``ranks``: which ranks to start (default all; fewer for the missing-peer
-    scenario). ``init``: whether :meth:`start` initialises the process group.
+    scenario). ``init``: whether :meth:`start` initialises the process group;
+    a world without one (env launcher) keeps its survivors when bodies raise or
+    ranks die (the bodies own what they build), and its next call starts new
+    workers for the dead ranks only; a timeout still kills the whole world.
     ``restartable``: whether a dead world may start again on its next use
     (pooled worlds yes, :meth:`spawn` worlds no).
     """
@@ -168,13 +168,11 @@ class World:
         self.mpirun_args = list(mpirun_args)
         self.starts = 0
         self.master_port = 0
-        self._procs: list[subprocess.Popen] = []
-        self._proc_of_rank: dict[int, subprocess.Popen] = {}
+        self._workers = Workers(f"{backend}-{world_size}", launcher)
         self._pids: dict[int, int] = {}
         self._conns: dict[int, socket.socket] = {}
         self._inbox: "queue.Queue[tuple[int, Any]]" = queue.Queue()
         self._listener: Optional[socket.socket] = None
-        self._logdir: Optional[str] = None
         self._call_ids = 0
         self._pending: Optional[_Pending] = None
         self._alive = False
@@ -194,6 +192,11 @@ class World:
     def pids(self) -> dict[int, int]:
         """Worker process id of each rank (as each worker reported it)."""
         return dict(self._pids)
+
+    @property
+    def _keeps_survivors(self) -> bool:
+        """Whether dead ranks are replaced one by one (no process group to lose)."""
+        return not self.init and self.launcher == "env"
 
     def describe(self) -> str:
         return (
@@ -286,40 +289,35 @@ class World:
         self._listener.listen(max(8, 2 * self.world_size))
         self._listener.settimeout(0.2)
         self.master_port = free_port()
-        self._logdir = tempfile.mkdtemp(prefix=f"tdist-world-{self.backend}-{self.world_size}-")
         self._token = secrets.token_hex(32)
-        worker = [sys.executable, "-m", "tdist.testing._worker"]
         if self.launcher == "env":
             for rank in self.ranks:
-                log = open(os.path.join(self._logdir, f"rank{rank}.log"), "wb")
-                try:
-                    proc = subprocess.Popen(
-                        worker,
-                        env=self._env_for(rank, self._token),
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,  # its own process group: killpg reaches its children too
-                    )
-                finally:
-                    log.close()
-                self._procs.append(proc)
-                self._proc_of_rank[rank] = proc
+                self._workers.start_rank(rank, self._env_for(rank, self._token))
         else:
             mpirun = self.mpirun or find_mpirun()
             if not mpirun:
                 raise WorldStartError("tdist.testing: launcher 'mpi' needs mpirun (none next to python or on PATH)")
-            env = mpirun_env(self._env_for(None, self._token), self._logdir)
-            cmd = [mpirun, "-n", str(self.world_size), "--oversubscribe", "--bind-to", "none"]
-            cmd += self.mpirun_args + worker
-            log = open(os.path.join(self._logdir, "mpirun.log"), "wb")
-            try:
-                proc = subprocess.Popen(
-                    cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            finally:
-                log.close()
-            self._procs.append(proc)
+            self._workers.start_mpirun(mpirun, self.world_size, self.mpirun_args, self._env_for(None, self._token))
+
+    def _drop_ranks(self, ranks: Sequence[int]) -> None:
+        """Forget the (dead) workers of ``ranks``, keeping the others; the next call
+        starts new workers for them (:meth:`_replace_dropped`)."""
+        for rank in ranks:
+            conn = self._conns.pop(rank, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.close()
+            self._pids.pop(rank, None)
+            self._workers.kill_rank(rank)
+
+    def _replace_dropped(self) -> None:
+        for rank in sorted(set(self.ranks) - set(self._conns)):
+            self._workers.start_rank(rank, self._env_for(rank, self._token))
+        try:
+            self._accept()
+        except BaseException:
+            self.kill()
+            raise
 
     def _accept(self) -> None:
         assert self._listener is not None
@@ -332,13 +330,13 @@ class World:
                     f"tdist.testing: ranks {missing} did not connect within {self.start_timeout:g} s "
                     f"({self.describe()})\n" + self._log_tails(missing)
                 )
-            for proc in self._procs:
-                if proc.poll() is not None:
-                    missing = sorted(expected - set(self._conns))
-                    raise WorldStartError(
-                        f"tdist.testing: a worker process exited with code {proc.returncode} before "
-                        f"ranks {missing} connected ({self.describe()})\n" + self._log_tails(missing)
-                    )
+            exited = self._workers.exited()
+            if exited is not None:
+                missing = sorted(expected - set(self._conns))
+                raise WorldStartError(
+                    f"tdist.testing: a worker process exited with code {exited.returncode} before "
+                    f"ranks {missing} connected ({self.describe()})\n" + self._log_tails(missing)
+                )
             try:
                 conn, _ = self._listener.accept()
             except socket.timeout:
@@ -377,26 +375,15 @@ class World:
         with self._lock:
             self._alive = False
             self._pending = None
-            for proc in self._procs:
-                with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            for pid in self._pids.values():
-                with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
-                    os.kill(pid, signal.SIGKILL)
-            for proc in self._procs:
-                with contextlib.suppress(Exception):
-                    proc.wait(timeout=10)
+            self._workers.kill(list(self._pids.values()))
             for conn in self._conns.values():
                 with contextlib.suppress(OSError):
                     conn.close()
             if self._listener is not None:
                 with contextlib.suppress(OSError):
                     self._listener.close()
-            if self._logdir and not os.environ.get("TDIST_TESTING_KEEP_LOGS"):
-                shutil.rmtree(self._logdir, ignore_errors=True)
-            self._procs, self._proc_of_rank, self._pids, self._conns = [], {}, {}, {}
+            self._pids, self._conns = {}, {}
             self._listener = None
-            self._logdir = None
             self._inbox = queue.Queue()
             _LIVE.discard(self)
 
@@ -407,10 +394,7 @@ class World:
                 for conn in self._conns.values():
                     with contextlib.suppress(OSError):
                         send_msg(conn, ("exit",))
-                deadline = time.monotonic() + timeout
-                for proc in self._procs:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                self._workers.wait(timeout)
             self.kill()
 
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:
@@ -418,10 +402,8 @@ class World:
         pid = self._pids.get(rank)
         if pid is None:
             raise WorldError(f"tdist.testing: rank {rank} has no worker in {self!r}")
-        proc = self._proc_of_rank.get(rank)
-        if proc is not None and sig == signal.SIGKILL:
-            with contextlib.suppress(ProcessLookupError, OSError):
-                os.killpg(proc.pid, sig)
+        if sig == signal.SIGKILL:
+            self._workers.signal_rank(rank, sig)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
 
@@ -456,6 +438,8 @@ class World:
                     raise WorldError(f"tdist.testing: {self!r} is dead and not restartable")
             if self._pending is not None:
                 raise WorldError("tdist.testing: a call is already running in this world")
+            if len(self._conns) < len(self.ranks):
+                self._replace_dropped()
             self._call_ids += 1
             ref = fn_ref(fn)
             pending = _Pending(self, self._call_ids, ref, timeout, fail_fast)
@@ -480,7 +464,8 @@ class World:
         Use it for bodies expected to fail on some ranks. After a timeout or a
         dead rank the world is killed; after errors on only some ranks it is
         killed too (its state is unknown); after an error on every rank a health
-        check decides. ``fail_fast`` (seconds): once a rank's body has raised, wait
+        check decides. A world without a process group is killed only after a
+        timeout (see the class). ``fail_fast`` (seconds): once a rank's body has raised, wait
         at most that long for the others, then kill the world; they are reported
         ``"stopped"`` (no stack dumps) instead of waiting out ``timeout``.
         """
@@ -491,7 +476,7 @@ class World:
     ) -> list[Any]:
         pending = self._submit(fn, timeout, kwargs, fail_fast)
         outcomes = self._collect(pending)
-        if check_after and self._alive:
+        if check_after and self._alive and not self._keeps_survivors:  # without a process group: nothing shared
             failures = [o for o in outcomes if isinstance(o, RankFailure)]
             if failures and len(failures) < len(outcomes):
                 self.kill()
@@ -563,7 +548,7 @@ class World:
             kind = msg[0]
             if kind == "eof":
                 time.sleep(0.05)
-                code = self._returncode(rank)
+                code = self._workers.returncode(rank)
                 results[rank] = RankFailure(
                     rank,
                     "died",
@@ -602,22 +587,16 @@ class World:
                     "Timeout",
                     f"no answer within {pending.timeout:g} s",
                     elapsed=pending.timeout,
-                    log_tail=self._log_tail(r),
+                    log_tail=self._workers.log_tail(r),
                 )
         for r in died:
-            results[r].log_tail = self._log_tail(r)
+            results[r].log_tail = self._workers.log_tail(r)
         self._pending = None
-        if missing or died:
+        if missing or (died and not self._keeps_survivors):
             self.kill()
+        elif died:
+            self._drop_ranks(died)  # no process group to lose: the survivors stay
         return [results[r] for r in self.ranks]
-
-    def _returncode(self, rank: int) -> Optional[int]:
-        proc = self._proc_of_rank.get(rank)
-        if proc is None:
-            return None
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=1.0)
-        return proc.returncode
 
     def _dump_stacks(self, ranks: Sequence[int]) -> None:
         """Ask hung ranks to print every thread's stack (faulthandler on SIGUSR1)."""
@@ -630,35 +609,15 @@ class World:
                     os.kill(pid, signal.SIGUSR1)
         time.sleep(0.5)
 
-    def _log_path(self, rank: int) -> Optional[str]:
-        if not self._logdir:
-            return None
-        name = f"rank{rank}.log" if self.launcher == "env" else "mpirun.log"
-        return os.path.join(self._logdir, name)
-
-    def _log_tail(self, rank: int) -> str:
-        path = self._log_path(rank)
-        if not path or not os.path.exists(path):
-            return ""
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - _LOG_TAIL))
-            return f.read().decode("utf-8", "replace")
-
     def _log_tails(self, ranks: Sequence[int]) -> str:
         ranks = ranks if self.launcher == "env" else ranks[:1]
         parts = []
         for r in ranks:
-            tail = self._log_tail(r)
+            tail = self._workers.log_tail(r)
             if tail:
                 parts.append(f"(tail of rank {r}'s output)\n" + indent(tail.rstrip(), "    | "))
         return "\n".join(parts)
 
     def output(self, rank: int) -> str:
         """Everything rank ``rank`` printed so far (for mpi: the whole mpirun output)."""
-        path = self._log_path(rank)
-        if not path or not os.path.exists(path):
-            return ""
-        with open(path, "rb") as f:
-            return f.read().decode("utf-8", "replace")
+        return self._workers.output(rank)
