@@ -129,9 +129,10 @@ class ProcWorld:
         self.jobs = 0
         self.world = World("tcp", n, init=False).start()
 
-    def pids(self) -> list[int]:
+    def pids(self) -> list[Optional[int]]:
+        """Each rank's worker pid (None for a dead rank not replaced yet)."""
         pids = self.world.pids
-        return [pids[rank] for rank in range(self.n)]
+        return [pids.get(rank) for rank in range(self.n)]
 
     def run(
         self,
