@@ -73,6 +73,7 @@ class ProcessGroup:
         self.torch_group: Any = None
         #: compare every collective across ranks before issuing it (see :mod:`tdist._mismatch`)
         self.check_collectives = checks_collectives(list(backends.values()))
+        self._served: dict[tuple[str, str], Backend] = {}  # (device, operation) -> backend, once checked
 
     @property
     def handle(self) -> Any:
@@ -100,6 +101,9 @@ class ProcessGroup:
 
     def backend_for(self, device: str, operation: str) -> Backend:
         """The backend that runs ``operation`` on ``device`` tensors, or a clear error."""
+        known = self._served.get((device, operation))
+        if known is not None:
+            return known
         backend = self.backends.get(device)
         if backend is None:
             served = ", ".join(sorted(self.backends)) or "none"
@@ -112,6 +116,7 @@ class ProcessGroup:
                 f"{operation}: not supported by backend {self.specs[device].name!r} on {device} tensors "
                 "(see `python -m tdist info` for the support table)"
             )
+        self._served[(device, operation)] = backend
         return backend
 
     def shutdown(self) -> None:

@@ -28,10 +28,15 @@ def _torch() -> Any:
     return torch
 
 
+_tensor_type: Any = None  # torch.Tensor, once torch is imported (importing it per call costs)
+
+
 def check_tensor(operation: str, name: str, tensor: Any) -> "torch.Tensor":
     """``tensor`` if it is a dense torch tensor, else a TypeError."""
-    torch = _torch()
-    if not isinstance(tensor, torch.Tensor):
+    global _tensor_type
+    if _tensor_type is None:
+        _tensor_type = _torch().Tensor
+    if not isinstance(tensor, _tensor_type):
         raise TypeError(f"{operation}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_sparse:
         raise TypeError(f"{operation}: {name} is a sparse tensor; only dense tensors are supported")
@@ -106,6 +111,10 @@ def peer_rank(
     default: Optional[int] = None,
 ) -> int:
     """The group rank named by a global ``name=`` or a ``group_name=`` argument."""
+    if group_rank is None and type(global_rank) is int:  # the common case, in one lookup
+        result = pg._global_to_group.get(global_rank)
+        if result is not None and (allow_self or result != pg.rank):
+            return result
     if global_rank is not None and group_rank is not None:
         raise ValueError(f"{operation}: pass either {name} or group_{name}, not both")
     if group_rank is not None:

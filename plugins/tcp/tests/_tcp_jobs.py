@@ -15,8 +15,10 @@ import time
 from typing import Any
 
 import torch
+from tdist import Work
 from tdist._errors import DistBackendError, DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction, make_premul_sum
+from tdist.plugin import COLLECTIVES
 from tdist.reduction import check_reduction, combine_, finalize_, prescaled
 
 DTYPES = [
@@ -67,6 +69,27 @@ def _valid(op: Reduction, dtype: torch.dtype) -> bool:
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+class Blocking:
+    """A backend used as a caller that waits uses it (``tdist.all_reduce(t)`` without
+    ``async_op``): every collective runs through ``run_blocking`` (the tcp backend's
+    quick path: in the calling thread, one C call where it can) and returns a completed
+    Work, so that the suites' ``.wait()`` still reads. Anything else is the backend's."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._backend, name)
+        if name not in COLLECTIVES:
+            return attr
+
+        def call(*args: Any) -> Work:
+            self._backend.run_blocking(lambda b: getattr(b, name)(*args), None)
+            return Work.completed(f"blocking {name}")
+
+        return call
 
 
 # ------------------------------------------------------------------ suites
@@ -256,9 +279,11 @@ def describe_error(fn) -> tuple[str, str, float]:
     return "", "", time.monotonic() - start
 
 
-def mismatch_job(b: Any, rank: int, kind: str) -> tuple:
+def mismatch_job(b: Any, rank: int, kind: str, blocking: bool = False) -> tuple:
     """Rank 0 and the others call incompatible collectives; everyone must raise."""
     SUM = Reduction(ReduceOp.SUM)
+    if blocking:
+        b = Blocking(b)
     if kind == "op":
         body = (
             (lambda: b.broadcast(torch.ones(4), 0).wait())
@@ -428,9 +453,12 @@ def init_destroy_cycles_job(b: Any, rank: int, cycles: int) -> list:
     return problems
 
 
-def shm_suites_job(b: Any, rank: int, sizes: tuple = (5, 1000, 5000), n: int = 3000) -> tuple:
+def shm_suites_job(b: Any, rank: int, sizes: tuple = (5, 1000, 5000), n: int = 3000, blocking: bool = False) -> tuple:
     """The suites at sizes that span one and several rounds of the segment's buffers,
-    a bitwise digest (every rank must agree), and what is left in /dev/shm."""
+    a bitwise digest (every rank must agree), and what is left in /dev/shm.
+    ``blocking``: every collective as a caller that waits issues it (see :class:`Blocking`)."""
+    if blocking:
+        b = Blocking(b)
     failures = all_reduce_suite(b, rank, sizes=sizes)
     failures += collectives_suite(b, rank, n=9) + collectives_suite(b, rank, n=n)
     failures += p2p_suite(b, rank)

@@ -1,7 +1,11 @@
 """The tcp backend's shared-memory collectives (tdist_tcp.shm): correctness across sizes,
 dtypes and reduce ops (in one round of the segment's buffers and in many), opt-out,
 the whole group falling back when one rank declines, mismatch, dead peers, timeouts,
-and no segment left mapped or open after destroy or a killed peer."""
+and no segment left mapped or open after destroy or a killed peer.
+
+Each behaviour is checked on the queued path (``.wait()`` on a Work) and as a caller
+that waits issues it (``blocking``: the quick path, one C call per small collective),
+with the C part and without it (``native=False``: the same protocol in Python)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from tdist.plugin import HashStore
 from _tcp_harness import ProcWorld, make_backend, run_threads
 from tdist._errors import DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction
-from tdist_tcp import segment
+from tdist_tcp import native, segment
 from tdist_tcp import shm as S
 
 pytestmark = [
@@ -25,6 +29,17 @@ pytestmark = [
 ]
 
 SMALL = {"shm_slot_bytes": 16384, "shm_direct_bytes": 256}  # many rounds, two-step all_reduce early
+PYTHON = {"native": False}  # no C part: the engine's Python steps only
+SUITE_SIZES = ((5, 1000, 5000), 3000)  # shm_suites_job's all_reduce sizes and collectives' n
+HAS_NATIVE = native.native_module({}) is not None
+# (options, blocking): how the suites run
+MODES = {
+    "default": ({}, False),
+    "small-buffers": (SMALL, False),
+    "blocking": ({}, True),
+    "blocking-small-buffers": (SMALL, True),
+    "blocking-python": (PYTHON, True),
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,23 +72,64 @@ def _check_suites(results, world):
     assert len(results) == world
 
 
-@pytest.mark.parametrize("options", [{}, SMALL], ids=["default", "small-buffers"])
-def test_suites_processes_2(world2, options):
+@pytest.mark.parametrize("mode", MODES)
+def test_suites_processes_2(world2, mode):
     """(with a secret: the connections and the segment authenticated)"""
-    _check_suites(world2.run("shm_suites_job", timeout=150, options=options, secret=b"s" * 32), 2)
+    options, blocking = MODES[mode]
+    results = world2.run("shm_suites_job", *SUITE_SIZES, blocking, timeout=150, options=options, secret=b"s" * 32)
+    _check_suites(results, 2)
 
 
-@pytest.mark.parametrize("options", [{}, SMALL], ids=["default", "small-buffers"])
-def test_suites_processes_3(world3, options):
-    _check_suites(world3.run("shm_suites_job", timeout=150, options=options), 3)
+@pytest.mark.parametrize("mode", MODES)
+def test_suites_processes_3(world3, mode):
+    options, blocking = MODES[mode]
+    _check_suites(world3.run("shm_suites_job", *SUITE_SIZES, blocking, timeout=150, options=options), 3)
 
 
-def test_suites_threads_4():
-    """Ranks that are threads of one process (they never spin) and 4 ranks."""
-    results = run_threads(4, lambda b, r: J.shm_suites_job(b, r, sizes=(5, 2000), n=700), timeout=150, options=SMALL)
+@pytest.mark.parametrize("blocking", [False, True], ids=["queued", "blocking"])
+def test_suites_threads_4(blocking):
+    """Ranks that are threads of one process (they never spin: a quick collective always
+    finishes through the Python wait) and 4 ranks."""
+    results = run_threads(
+        4, lambda b, r: J.shm_suites_job(b, r, sizes=(5, 2000), n=700, blocking=blocking), timeout=150, options=SMALL
+    )
     for rank, (uses_shm, failures, _digest, _files, _maps) in enumerate(results):
         assert uses_shm and failures == [], (rank, failures[:10])
     assert len({r[2] for r in results}) == 1
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="tdist_tcp._shmfast is not built")
+def test_c_and_python_steps_agree_bitwise_and_mix_in_one_group(world3):
+    """The C part and the Python steps give bitwise identical results (random floats,
+    SUM and AVG), and ranks with and without it share a group: they follow one protocol."""
+    digests = {}
+    for label, options in (("c", {}), ("python", PYTHON)):
+        results = world3.run("shm_suites_job", (5, 1000), 9, True, timeout=150, options=options)
+        _check_suites(results, 3)
+        digests[label] = results[0][2]
+    assert digests["c"] == digests["python"]
+    store = HashStore()
+    per_rank = [{}, PYTHON, {}]
+
+    def body(rank):
+        b = make_backend(store, rank, 3, 20.0, per_rank[rank])
+        try:
+            result = J.shm_suites_job(b, rank, sizes=(5, 1000), n=9, blocking=True)[:3]
+            return (b._shm.fast.runs if b._shm.fast is not None else None), result
+        finally:
+            b.shutdown()
+
+    out: list = [None] * 3
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, body(r))) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    runs = [r for r, _ in out]
+    assert runs[1] is None and runs[0] > 100 and runs[2] > 100, runs  # the C part ran most of them
+    for rank, (_fast, (uses_shm, failures, digest)) in enumerate(out):
+        assert uses_shm and failures == [], (rank, failures[:10])
+        assert digest == digests["c"], rank
 
 
 def test_large_all_reduce_matches_socket_path():
@@ -173,9 +229,10 @@ def test_ranks_with_different_tuning_still_agree():
 
 
 # ------------------------------------------------------------------ failures
+@pytest.mark.parametrize("blocking", [False, True], ids=["queued", "blocking"])
 @pytest.mark.parametrize("kind", ["op", "size", "dtype", "root", "redop"])
-def test_mismatch_raises_everywhere(kind):
-    results = run_threads(3, lambda b, r: (b.uses_shm, J.mismatch_job(b, r, kind)), backend_timeout=20)
+def test_mismatch_raises_everywhere(kind, blocking):
+    results = run_threads(3, lambda b, r: (b.uses_shm, J.mismatch_job(b, r, kind, blocking)), backend_timeout=20)
     for rank, (uses_shm, (first, later, _p2p)) in enumerate(results):
         assert uses_shm
         assert first[0] == "DistBackendError" and first[2] < 10, (rank, first)
@@ -194,11 +251,14 @@ def test_all_to_all_split_mismatch_raises():
     assert any("split sizes" in text for _n, text, _e in results), results
 
 
-def test_timeout_when_a_peer_never_comes():
+@pytest.mark.parametrize("blocking", [False, True], ids=["queued", "blocking"])
+def test_timeout_when_a_peer_never_comes(blocking):
     def body(b, rank):
         if rank == 1:
             time.sleep(3.0)
             return None
+        if blocking:
+            b = J.Blocking(b)
         return J.describe_error(lambda: b.all_reduce(torch.ones(1000), Reduction(ReduceOp.SUM)).wait())
 
     results = run_threads(2, body, backend_timeout=1.0, timeout=60)

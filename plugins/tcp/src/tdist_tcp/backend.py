@@ -1,7 +1,9 @@
 """``TcpBackend``: every tdist operation on CPU tensors over the tcp transport.
 
 Collectives are queued on one FIFO lane per group and normally run in the thread
-that waits for them (see :mod:`tdist_tcp.lanes`); sends have their own lane and
+that waits for them (see :mod:`tdist_tcp.lanes`); a caller that waits for a small
+collective over shared memory skips the lane's queue and runs it with one call into
+the C part (:meth:`TcpBackend._quick`); sends have their own lane and
 receives need no thread at all (the peers' reader threads complete them), so
 point-to-point traffic never queues behind collectives.
 
@@ -15,8 +17,10 @@ memory when every rank of the group is on this host, default True; ``$TDIST_TCP_
 disables; see :mod:`tdist_tcp.shm`), ``shm_slot_bytes`` (each of a rank's two buffers in
 the segment, default 1 MiB), ``shm_direct_bytes`` (all_reduce/reduce up to this size in one
 step, default 512 KiB / group size), ``shm_block_bytes`` (cache blocking of reductions, default 256 KiB),
-``shm_spin_us`` (microseconds a waiter spins before sleeping) and the tunables of
-:data:`DEFAULTS`.
+``shm_spin_us`` (microseconds a waiter spins before sleeping), ``native`` (small
+shared-memory collectives of a caller that waits in one call into the C part, default
+True where it is built; ``$TDIST_TCP_NATIVE=0`` disables; see :mod:`tdist_tcp.native`)
+and the tunables of :data:`DEFAULTS`.
 
 The factory's ``secret`` (from the job's token) authenticates every connection and the
 shared segment (:mod:`tdist_tcp.auth`); without one, nothing is authenticated.
@@ -45,6 +49,7 @@ from tdist.plugin import (
 )
 
 from . import algorithms as algo
+from . import native
 from .lanes import Lane, TcpWork
 from .mesh import connect_mesh
 from .shm import ShmEngine, open_shm
@@ -157,8 +162,7 @@ class TcpBackend(Backend):
         self._coll_lane = Lane(f"tdist-tcp-coll-r{rank}", grace, self._timeout_s)
         self._send_lane = Lane(f"tdist-tcp-send-r{rank}", grace, self._timeout_s)
         self._seq = 0
-        self._codes_key: tuple = (None, None)  # the last (reduce op, dtype) and their wire codes
-        self._codes = (0, 0)
+        self._codes: dict[tuple[int, Any], tuple[int, int, int, int]] = {}  # see _codes_of
         self._scratch = algo.Scratch()
         self._p2p_seq = [0] * size
         self._shut = False
@@ -187,16 +191,7 @@ class TcpBackend(Backend):
         self._seq += 1
         seq = tr.issued = self._seq
         opcode = OP_CODES[name]
-        if redop is None and dtype is None:
-            rcode = dcode = 0
-        else:
-            key = (redop.op if redop is not None else None, dtype)
-            if key[0] is self._codes_key[0] and key[1] is self._codes_key[1]:
-                rcode, dcode = self._codes
-            else:
-                rcode = redop_code(redop)
-                dcode = dtype_code(dtype) if dtype is not None else 0
-                self._codes_key, self._codes = key, (rcode, dcode)
+        rcode, dcode, _etype, _eop = self._codes_of(redop, dtype)
         timeout = self._timeout_s
         scratch = self._scratch
 
@@ -207,15 +202,8 @@ class TcpBackend(Backend):
                 if self._shut:
                     raise DistBackendError(f"tcp backend: {tr.me}'s process group was destroyed")
                 return body(c)
-            except DistBackendError as exc:
-                self._forget_frames(exc)
-                tr.fail(exc)
-                raise
-            except BaseException as exc:  # a local failure mid-collective must not leave the peers waiting
-                self._forget_frames(exc)
-                err = DistBackendError(f"tcp backend: {name} failed on {tr.me}: {type(exc).__name__}: {exc}")
-                tr.fail(err)
-                raise err from exc
+            except BaseException as exc:
+                raise self._failed(name, exc)  # noqa: B904  (it sets the cause itself)
             finally:
                 self._in_collective = False
 
@@ -224,6 +212,84 @@ class TcpBackend(Backend):
         work = TcpWork(f"tcp {name} on {self._me}", self._work_timeout)
         self._coll_lane.submit(job, work)
         return work
+
+    def _codes_of(self, redop: Optional["Reduction"], dtype: Any) -> tuple[int, int, int, int]:
+        """The wire codes of (reduce op, dtype), and :mod:`tdist_tcp.native`'s element type and
+        operator codes (0: not reduced in C), remembered per pair."""
+        key = (0 if redop is None else id(redop.op), dtype)  # (members are singletons, slow to hash)
+        codes = self._codes.get(key)
+        if codes is None:
+            etype = native.element_type(dtype) if dtype is not None else 0
+            eop = native.operator(redop, etype) if redop is not None else 0
+            codes = (redop_code(redop), dtype_code(dtype) if dtype is not None else 0, etype, eop)
+            if len(self._codes) < 1024:
+                self._codes[key] = codes
+        return codes
+
+    def _failed(self, name: str, exc: BaseException) -> DistBackendError:
+        """What a collective that raised ``exc`` on this rank raises; the transport fails
+        with it, so that no peer waits for this rank in vain."""
+        self._forget_frames(exc)
+        if isinstance(exc, DistBackendError):
+            err = exc
+        else:  # a local failure mid-collective must not leave the peers waiting
+            err = DistBackendError(f"tcp backend: {name} failed on {self._me}: {type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+        self._tr.fail(err)
+        return err
+
+    def _quick(
+        self,
+        name: str,
+        kind: int,
+        rcode: int = 0,
+        dcode: int = 0,
+        address: int = 0,
+        nbytes: int = 0,
+        root: int = 0,
+        etype: int = 0,
+        eop: int = 0,
+    ) -> bool:
+        """Run a one-step shared-memory collective in the calling thread with one call into
+        the C part (``kind`` and the rest: ``ShmEngine.fast.run``'s arguments, ``rcode`` and
+        ``dcode`` the wire codes): no Work, no closures, no Coll unless it must wait. Only for
+        a caller inside :meth:`run_blocking` with ``self._shm.fast`` set. False, having done
+        nothing, when earlier collectives are queued (FIFO order holds)."""
+        tr = self._tr
+        if tr.broken is not None:
+            raise tr.broken
+        lane = self._coll_lane
+        if not lane.claim():
+            return False
+        try:
+            self._seq += 1
+            seq = tr.issued = self._seq
+            opcode = OP_CODES[name]
+            self._in_collective = True  # (then _shut: see shutdown, which sets them in the other order)
+            if self._shut:
+                raise DistBackendError(f"tcp backend: {tr.me}'s process group was destroyed")
+            shm: ShmEngine = self._shm  # type: ignore[assignment]
+            outcome = shm.fast.run(kind, seq, opcode, rcode, dcode, address, nbytes, root, etype, eop)
+            if outcome:
+                deadline = time.monotonic() + self._timeout_s
+                shm.settle(outcome, algo.Coll(tr, opcode, rcode, seq, dcode, deadline, self._scratch, nbytes))
+        except BaseException as exc:
+            raise self._failed(name, exc)  # noqa: B904  (it sets the cause itself)
+        finally:
+            self._in_collective = False
+            lane.release()
+        return True
+
+    def _quick_reduce(self, name: str, tensor: "torch.Tensor", op: "Reduction", root: int) -> bool:
+        """all_reduce (``root`` -1) or reduce through :meth:`_quick`, when the C part can do it."""
+        shm = self._shm
+        if shm is None or shm.fast is None or self._blocking != threading.get_ident():
+            return False
+        nbytes = tensor.nbytes
+        if nbytes > shm.quick_reduce_bytes or not tensor.is_contiguous() or tensor.is_neg():
+            return False
+        rcode, dcode, etype, eop = self._codes_of(op, tensor.dtype)
+        return bool(eop) and self._quick(name, native.REDUCE, rcode, dcode, tensor.data_ptr(), nbytes, root, etype, eop)
 
     def run_blocking(self, call: Callable[[Backend], Work], timeout: Optional[float]) -> None:
         """A collective for a caller that waits runs in the calling thread, with no Work
@@ -313,6 +379,19 @@ class TcpBackend(Backend):
 
     # ------------------------------------------------------------- collectives
     def broadcast(self, tensor: "torch.Tensor", src: int) -> Work:
+        shm = self._shm
+        if shm is not None and shm.fast is not None and self._blocking == threading.get_ident():
+            nbytes = tensor.nbytes  # one C call if it can (see _quick); a conjugate view only if complex
+            _rcode, dcode, etype, _eop = self._codes_of(None, tensor.dtype)
+            if (
+                nbytes <= shm.quick_bytes
+                and tensor.is_contiguous()
+                and not tensor.is_neg()
+                and (etype or not tensor.is_conj())
+                and self._quick("broadcast", native.BROADCAST, 0, dcode, tensor.data_ptr(), nbytes, src)
+            ):
+                return _RAN
+
         def body(c: algo.Coll) -> list:
             flat, back = _inplace(tensor)
             if self._shm is not None:
@@ -331,6 +410,8 @@ class TcpBackend(Backend):
 
     def all_reduce(self, tensor: "torch.Tensor", op: "Reduction") -> Work:
         check_reduction(op, tensor.dtype, "tcp all_reduce")
+        if self._quick_reduce("all_reduce", tensor, op, -1):
+            return _RAN
 
         def body(c: algo.Coll) -> list:
             flat, back = _inplace(tensor)
@@ -354,6 +435,8 @@ class TcpBackend(Backend):
 
     def reduce(self, tensor: "torch.Tensor", dst: int, op: "Reduction") -> Work:
         check_reduction(op, tensor.dtype, "tcp reduce")
+        if self._quick_reduce("reduce", tensor, op, dst):
+            return _RAN
 
         def body(c: algo.Coll) -> list:
             flat, back = _inplace(tensor)
@@ -514,6 +597,15 @@ class TcpBackend(Backend):
         return self._submit("all_to_all", dtype, None, body, sum(t.nbytes for t in inputs))
 
     def barrier(self) -> Work:
+        shm = self._shm
+        if (
+            shm is not None
+            and shm.fast is not None
+            and self._blocking == threading.get_ident()
+            and self._quick("barrier", native.BARRIER)
+        ):
+            return _RAN
+
         def body(c: algo.Coll) -> list:
             if self._shm is not None:
                 self._shm.barrier(c)

@@ -153,20 +153,35 @@ class Lane:
                     self._cv.notify()
         return True
 
-    def run_now(self, fn: Callable[[], Any]) -> bool:
-        """Run ``fn`` in this thread if the lane is idle and nothing is queued (FIFO order
-        holds), letting its error propagate; False, without running it, otherwise."""
+    def claim(self) -> bool:
+        """Take the lane for the calling thread if it is idle and nothing is queued (FIFO
+        order holds): True, and :meth:`release` gives it back; False otherwise."""
         with self._lock:
             if self._busy or self._queue or self._closed is not None:
                 return False
             self._busy = True
+            return True
+
+    def release(self) -> None:
+        """Give back a lane taken by :meth:`claim` (its worker then runs what was queued meanwhile).
+
+        Clearing the flag needs no lock (only the claimer clears it; whoever reads it
+        under the lock a moment early waits for the worker's next look, a grace period
+        at most); only waking the worker does."""
+        self._busy = False
+        if self._queue:
+            with self._lock:
+                self._cv.notify()
+
+    def run_now(self, fn: Callable[[], Any]) -> bool:
+        """Run ``fn`` in this thread if the lane is idle and nothing is queued (FIFO order
+        holds), letting its error propagate; False, without running it, otherwise."""
+        if not self.claim():
+            return False
         try:
             fn()
         finally:
-            with self._lock:
-                self._busy = False
-                if self._queue:
-                    self._cv.notify()
+            self.release()
         return True
 
     def drive(self, job: TcpWork, timeout: Optional[float]) -> None:

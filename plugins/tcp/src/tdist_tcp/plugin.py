@@ -50,6 +50,7 @@ def tdist_register_backends(registry: Any) -> None:
                     "shm_direct_bytes",
                     "shm_block_bytes",
                     "shm_spin_us",
+                    "native",
                 )
             },
         )

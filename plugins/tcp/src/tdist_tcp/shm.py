@@ -47,6 +47,12 @@ the GIL and stay on one thread), with tdist.reduction's torch functions for the
 dtypes numpy lacks (bfloat16, float8, complex32, ...). The memory ordering relied
 upon (a counter's store seen after the data stores before it) is x86's, hence the
 x86-64 restriction.
+
+The small one-step collectives of a caller that waits (barrier, broadcast, all_reduce
+and reduce up to 64 KiB) run in one call into the optional C part instead
+(:mod:`tdist_tcp.native`: :attr:`ShmEngine.fast`), which follows this protocol exactly
+and shares the engine's counters; when its bounded spin runs out, :meth:`ShmEngine.settle`
+waits here, in Python, as :meth:`ShmEngine._step` does.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import numpy as np
 from tdist.plugin import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError, ReduceOp, flag
 
-from . import segment
+from . import native, segment
 from .futex import futex_wait, futex_wake
 from .kernels import Kernel
 from .wire import describe
@@ -194,6 +200,16 @@ def open_shm(
 
 
 # ------------------------------------------------------------------------- engine
+class _Counters:
+    """The engine's step and round counters, without the C part."""
+
+    __slots__ = ("k", "rounds")
+
+    def __init__(self) -> None:
+        self.k = 0
+        self.rounds = 0
+
+
 class ShmEngine:
     """One group's collectives over its shared segment (one collective at a time)."""
 
@@ -224,8 +240,6 @@ class ShmEngine:
         self._peers = [q for q in range(size) if q != rank]
         self._peer_ctr = [(q, q * words + _CTR, self.base + ctrl + q * _CTRL) for q in self._peers]
         self._peer_flags = [q * words + _FLAG for q in self._peers]
-        self.k = 0  # steps posted
-        self.rounds = 0  # rounds started (buffer parity)
         # the one-step all_reduce reads p times the data: worth it while that stays small
         if direct_bytes is None:
             direct_bytes = int(options.get("shm_direct_bytes", DEFAULT_DIRECT_BYTES // size))
@@ -237,9 +251,22 @@ class ShmEngine:
         self._views: dict = {}
         self._arrays: dict = {}
         self._spin_option = options.get("shm_spin_us")
-        self._spin: Optional[float] = None
+        self._spin = 0.0
         self._yield = False
+        self._spin_setup()
         self.closed = False
+        #: the C part (see tdist_tcp.native): ``fast.run`` runs a one-step collective in one call
+        #: (then :meth:`settle` unless it returned DONE); None: everything in Python
+        self.fast: Any = None
+        ext = native.native_module(options)
+        if ext is not None:
+            self.fast = ext.Fast(self.base, ctrl, data, slot, rank, size, int(self._spin * 1e9), self._yield)
+        #: ``k``: steps posted, ``rounds``: rounds begun (buffer parity); the C part's own when
+        #: there is one, since its collectives advance them too
+        self.n: Any = self.fast if self.fast is not None else _Counters()
+        #: the largest broadcast / reduction the C steps take (the one-step algorithms only)
+        self.quick_bytes = min(native.QUICK_BYTES, slot)
+        self.quick_reduce_bytes = min(native.QUICK_BYTES, self.direct_bytes)
         transport.add_break_callback(self.wake)
 
     # ---------------------------------------------------------------- helpers
@@ -289,8 +316,9 @@ class ShmEngine:
         return self._data_off + (2 * q + b) * self.S
 
     def _next_buffer(self) -> int:
-        b = self.rounds & 1
-        self.rounds += 1
+        n = self.n
+        b = n.rounds & 1
+        n.rounds += 1
         return b
 
     def _spin_setup(self) -> None:
@@ -322,6 +350,7 @@ class ShmEngine:
             return
         self.closed = True
         self.wake()
+        self.fast = None  # it addresses the mapping
         self._views, self._arrays, self._kernels, self._last_kernel = {}, {}, {}, (None, None, None)
         self._t8 = self.u8 = self.ctl = None  # type: ignore[assignment]  # closed: nothing mapped any more
         self._peer_ctr, self._peer_flags = [], []
@@ -339,8 +368,8 @@ class ShmEngine:
     def _step(self, c: "Coll", desc: Optional[tuple] = None) -> None:
         """Post the next step, wait for every peer to post it, check descriptors on a first step."""
         ctl = self.ctl
-        k = (self.k + 1) & _MASK
-        self.k = k
+        n = self.n
+        k = n.k = (n.k + 1) & _MASK
         ctl[self._me_ctr] = k
         for fi in self._peer_flags:
             if ctl[fi]:
@@ -352,11 +381,9 @@ class ShmEngine:
         if desc is not None:
             self._check(c, desc)
 
-    def _wait(self, c: "Coll", q: int, ci: int, addr: int, k: int) -> None:
+    def _wait(self, c: "Coll", q: int, ci: int, addr: int, k: int, spin: bool = True) -> None:
         ctl = self.ctl
-        if self._spin is None:
-            self._spin_setup()
-        if self._spin:
+        if self._spin and spin:
             clock = time.perf_counter
             end = clock() + self._spin
             n = 0
@@ -412,6 +439,24 @@ class ShmEngine:
                 "called different collectives, or with different sizes, dtypes, roots or reduce ops)"
             )
 
+    # ------------------------------------------- one-step collectives in one C call
+    def settle(self, outcome: int, c: "Coll") -> None:
+        """Finish a quick collective that returned WAIT (wait for the peers as :meth:`_step`
+        does, then complete it) or MISMATCH (raise, naming the peer that differs)."""
+        fast = self.fast
+        try:
+            if outcome == native.WAIT:
+                k = self.n.k
+                for q, ci, addr in self._peer_ctr:
+                    if (self.ctl[ci] - k) & _MASK >= _HALF:
+                        self._wait(c, q, ci, addr, k, spin=False)  # the C call has spun
+                outcome = fast.finish()
+            if outcome == native.MISMATCH:
+                self._check(c, _DESC.unpack_from(self.mm, self._my_desc[c.seq & 1]))
+        finally:
+            if fast is not None:
+                fast.abandon()  # nothing pending any more, whatever happened
+
     # -------------------------------------------------------------- collectives
     def barrier(self, c: "Coll") -> None:
         self._step(c, self._put_desc(c, 0))
@@ -423,8 +468,7 @@ class ShmEngine:
         K = self.kernel(flat.dtype, op)
         avg = op.op is ReduceOp.AVG
         if nb <= self.direct_bytes:
-            b = self.rounds & 1
-            self.rounds += 1
+            b = self._next_buffer()
             desc: Optional[tuple] = self._put_desc(c, nb, root or 0)
             uf = K.ufunc
             if uf is not None:  # numpy all the way (the common case, and the fast one)

@@ -1,0 +1,16 @@
+"""The shared-memory engine's C part (:mod:`tdist_tcp.native`); everything else is in
+pyproject.toml. The extension is optional: an install without a C compiler, or off
+Linux x86-64, still succeeds, and the engine then runs the same protocol in Python."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "tdist_tcp._shmfast",
+            sources=["src/tdist_tcp/_shmfast.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        )
+    ]
+)

@@ -1,0 +1,418 @@
+/* tdist_tcp._shmfast: the shared-memory engine's small collectives in one C call.
+ *
+ * Optional: tdist_tcp.native loads it and the engine falls back to its Python steps
+ * when it is missing or disabled ($TDIST_TCP_NATIVE=0). It follows the segment layout
+ * and step protocol of tdist_tcp/shm.py exactly (the two can never be mixed within
+ * one collective, but a group may mix ranks with and without it):
+ *
+ *   per rank, at ctrl + rank * 256: uint32 counter, uint32 "sleeping" flag, uint32 pid,
+ *   and at +64 + 32 * (seq & 1) the descriptor <QQIBBBx (seq, nbytes, root, op, redop,
+ *   dtype); per rank, at data + (2 * rank + b) * slot, two data buffers.
+ *
+ * A collective here is one step: write the descriptor (and this rank's data), post
+ * the step (counter := k), wake sleeping peers, spin until every peer has posted k,
+ * compare descriptors, then read. The spin is bounded; when it runs out the call
+ * returns WAIT with the collective posted and pending: the caller waits for the peers
+ * in Python (futex sleep, liveness checks, timeout) and then calls finish(). Nothing
+ * here blocks without bound and nothing here raises on a peer's behalf.
+ *
+ * x86-64 only (like the Python engine): the counter is stored with a full fence, and
+ * loads are acquire loads, so a peer that sees the counter sees the data before it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CTRL_BYTES 256
+#define DESC_AT 64
+#define DESC_BYTES 24
+#define HALF 0x80000000u
+#define GIL_SPIN_NS 10000 /* spin this long holding the GIL, the rest of the spin without it */
+
+enum { DONE = 0, WAIT = 1, MISMATCH = 2 };
+enum { K_NONE = 0, K_BARRIER, K_BROADCAST, K_REDUCE };
+/* element types and operators of the reductions done here (everything else: Python) */
+enum { T_F32 = 1, T_F64, T_I8, T_U8, T_I16, T_I32, T_I64 };
+enum { O_SUM = 1, O_PRODUCT, O_MIN, O_MAX, O_BAND, O_BOR, O_BXOR, O_AVG };
+
+typedef struct {
+    PyObject_HEAD
+    char *base;
+    Py_ssize_t ctrl, data, slot;
+    int rank, size;
+    long long spin_ns;
+    int yield;
+    /* the pending collective (posted, waiting for its peers) */
+    int kind, b, root, etype, eop;
+    uint64_t seq;
+    /* the engine's counters (tdist_tcp.shm advances them too): steps posted, rounds begun */
+    unsigned int k;
+    unsigned long long rounds;
+    unsigned long long runs; /* collectives run() has started */
+    char *dst;
+    Py_ssize_t nbytes;
+} Fast;
+
+static inline volatile uint32_t *counter(Fast *f, int q) {
+    return (volatile uint32_t *)(f->base + f->ctrl + (Py_ssize_t)q * CTRL_BYTES);
+}
+
+static inline char *buffer(Fast *f, int q, int b) {
+    return f->base + f->data + (Py_ssize_t)(2 * q + b) * f->slot;
+}
+
+static inline int reached(Fast *f, int q, uint32_t k) {
+    uint32_t v = __atomic_load_n(counter(f, q), __ATOMIC_ACQUIRE);
+    return (uint32_t)(v - k) < HALF;
+}
+
+static inline long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void put_desc(Fast *f, uint64_t seq, uint64_t nbytes, uint32_t root, int op, int redop, int dtype) {
+    unsigned char d[DESC_BYTES];
+    memcpy(d, &seq, 8);
+    memcpy(d + 8, &nbytes, 8);
+    memcpy(d + 16, &root, 4);
+    d[20] = (unsigned char)op;
+    d[21] = (unsigned char)redop;
+    d[22] = (unsigned char)dtype;
+    d[23] = 0;
+    memcpy(f->base + f->ctrl + (Py_ssize_t)f->rank * CTRL_BYTES + DESC_AT + 32 * (seq & 1), d, DESC_BYTES);
+}
+
+/* Post step k and wake any peer that sleeps on our counter. */
+static void post(Fast *f, uint32_t k) {
+    volatile uint32_t *mine = counter(f, f->rank);
+    __atomic_store_n(mine, k, __ATOMIC_SEQ_CST);
+    for (int q = 0; q < f->size; q++) {
+        if (q != f->rank && __atomic_load_n(counter(f, q) + 1, __ATOMIC_ACQUIRE)) {
+            syscall(SYS_futex, (uint32_t *)mine, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+            break;
+        }
+    }
+}
+
+static int all_reached(Fast *f, uint32_t k) {
+    for (int q = 0; q < f->size; q++)
+        if (q != f->rank && !reached(f, q, k)) return 0;
+    return 1;
+}
+
+/* Spin (at most spin_ns) until every peer has posted k; 1 if they have. */
+static int spin(Fast *f, uint32_t k, long long budget_ns) {
+    long long start = 0, end = 0;
+    for (unsigned n = 1;; n++) {
+        if (all_reached(f, k)) return 1;
+        if (!(n & 63)) {
+            long long t = now_ns();
+            if (!start) {
+                start = t;
+                end = t + budget_ns;
+            }
+            if (t >= end) return 0;
+            if (f->yield) sched_yield();
+        }
+        __builtin_ia32_pause();
+    }
+}
+
+static int wait_peers(Fast *f, uint32_t k) {
+    if (f->spin_ns <= 0) return all_reached(f, k);
+    long long held = f->spin_ns < GIL_SPIN_NS ? f->spin_ns : GIL_SPIN_NS;
+    if (spin(f, k, held)) return 1;
+    if (f->spin_ns <= held) return 0;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = spin(f, k, f->spin_ns - held);
+    Py_END_ALLOW_THREADS
+    return ok;
+}
+
+static int descs_agree(Fast *f) {
+    Py_ssize_t at = DESC_AT + 32 * (f->seq & 1);
+    const char *mine = f->base + f->ctrl + (Py_ssize_t)f->rank * CTRL_BYTES + at;
+    for (int q = 0; q < f->size; q++)
+        if (q != f->rank && memcmp(mine, f->base + f->ctrl + (Py_ssize_t)q * CTRL_BYTES + at, DESC_BYTES))
+            return 0;
+    return 1;
+}
+
+/* ---------------------------------------------------------------- reductions */
+/* numpy's (so the Python steps and these agree bit for bit): a NaN wins, and of two equal
+ * values (-0.0 and 0.0) the second */
+#define MIN_OF(a, b) (((a) < (b) || (a) != (a)) ? (a) : (b))
+#define MAX_OF(a, b) (((a) > (b) || (a) != (a)) ? (a) : (b))
+
+/* out := in0 op in1 op ... in rank order (every rank computes the same bits) */
+#define ARITH(T, EXPR)                                                     \
+    do {                                                                   \
+        T *o_ = (T *)out;                                                  \
+        const T *a0_ = (const T *)ins[0];                                  \
+        for (Py_ssize_t i = 0; i < n; i++) o_[i] = a0_[i];                 \
+        for (int q = 1; q < p; q++) {                                      \
+            const T *x_ = (const T *)ins[q];                               \
+            for (Py_ssize_t i = 0; i < n; i++) {                           \
+                T a = o_[i], b = x_[i];                                    \
+                o_[i] = (EXPR);                                            \
+            }                                                              \
+        }                                                                  \
+    } while (0)
+
+#define FLOAT_CASES(T)                                                                  \
+    switch (eop) {                                                                      \
+    case O_SUM: case O_AVG: ARITH(T, a + b); break;                  \
+    case O_PRODUCT: ARITH(T, a * b); break;                          \
+    case O_MIN: ARITH(T, MIN_OF(a, b)); break;                       \
+    case O_MAX: ARITH(T, MAX_OF(a, b)); break;                       \
+    default: return 0;                                                                  \
+    }                                                                                   \
+    if (eop == O_AVG) {                                                                 \
+        T *o = (T *)out;                                                                \
+        for (Py_ssize_t i = 0; i < n; i++) o[i] = o[i] / (T)p;                         \
+    }                                                                                   \
+    return 1;
+
+/* integers wrap like numpy's and torch's: the arithmetic is done unsigned */
+#define INT_CASES(T, U)                                                                 \
+    switch (eop) {                                                                      \
+    case O_SUM: ARITH(T, (T)((U)a + (U)b)); break;                   \
+    case O_PRODUCT: ARITH(T, (T)((U)a * (U)b)); break;               \
+    case O_MIN: ARITH(T, a < b ? a : b); break;                      \
+    case O_MAX: ARITH(T, a > b ? a : b); break;                      \
+    case O_BAND: ARITH(T, a & b); break;                             \
+    case O_BOR: ARITH(T, a | b); break;                              \
+    case O_BXOR: ARITH(T, a ^ b); break;                             \
+    default: return 0;                                                                  \
+    }                                                                                   \
+    return 1;
+
+static int reduce(int etype, int eop, char *out, char **ins, int p, Py_ssize_t n) {
+    switch (etype) {
+    case T_F32: { FLOAT_CASES(float) }
+    case T_F64: { FLOAT_CASES(double) }
+    case T_I8: { INT_CASES(int8_t, uint8_t) }
+    case T_U8: { INT_CASES(uint8_t, uint8_t) }
+    case T_I16: { INT_CASES(int16_t, uint16_t) }
+    case T_I32: { INT_CASES(int32_t, uint32_t) }
+    case T_I64: { INT_CASES(int64_t, uint64_t) }
+    }
+    return 0;
+}
+
+static int element_size(int etype) {
+    switch (etype) {
+    case T_F32: case T_I32: return 4;
+    case T_F64: case T_I64: return 8;
+    case T_I16: return 2;
+    case T_I8: case T_U8: return 1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ stepping */
+/* The positional integer arguments of a method (addresses, sizes and codes all fit). */
+static int int_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *name, long long *out) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < want; i++) {
+        out[i] = PyLong_AsLongLong(args[i]);
+        if (out[i] == -1 && PyErr_Occurred()) return 0;
+    }
+    return 1;
+}
+
+static int complete(Fast *f) {
+    int kind = f->kind;
+    f->kind = K_NONE;
+    if (!descs_agree(f)) return MISMATCH;
+    if (kind == K_BROADCAST) {
+        if (f->rank != f->root && f->nbytes) memcpy(f->dst, buffer(f, f->root, f->b), f->nbytes);
+    } else if (kind == K_REDUCE) {
+        if (f->nbytes && (f->root < 0 || f->root == f->rank)) {
+            char *ins[f->size];
+            for (int q = 0; q < f->size; q++) ins[q] = buffer(f, q, f->b);
+            reduce(f->etype, f->eop, f->dst, ins, f->size, f->nbytes / element_size(f->etype));
+        }
+    }
+    return DONE;
+}
+
+static int idle(Fast *f) {
+    if (f->kind != K_NONE) {
+        PyErr_SetString(PyExc_RuntimeError, "tdist_tcp._shmfast: a collective is still pending");
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(run_doc,
+             "run(kind, seq, op, redop, dtype, address, nbytes, root, etype, eop) -> DONE, WAIT or MISMATCH\n\n"
+             "Run one one-step collective as the next step (k + 1; a broadcast or reduction\n"
+             "through buffer rounds & 1, advancing rounds). kind: BARRIER, BROADCAST (nbytes at\n"
+             "address from root) or REDUCE (nbytes at address := the reduction over ranks,\n"
+             "everywhere when root < 0, else only on root; etype/eop: this module's element type\n"
+             "and operator codes, see tdist_tcp.native). seq, op, redop, dtype: the descriptor's\n"
+             "wire codes. Sizes are at most a buffer, and a reduction's at most what the caller\n"
+             "reduces in one step.");
+
+static PyObject *Fast_run(Fast *f, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[10]; /* kind, seq, op, redop, dtype, address, nbytes, root, etype, eop */
+    if (!int_args(args, nargs, 10, "run", a) || !idle(f)) return NULL;
+    int kind = (int)a[0], etype = (int)a[8], eop = (int)a[9];
+    long long nbytes = a[6], root = a[7];
+    if (kind == K_BARRIER) {
+        nbytes = 0;
+        root = 0;
+    } else if (kind == K_BROADCAST) {
+        if (nbytes < 0 || nbytes > f->slot || root < 0 || root >= f->size) {
+            PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.run: bad broadcast size or root");
+            return NULL;
+        }
+    } else if (kind == K_REDUCE) {
+        int es = element_size(etype), is_float = etype == T_F32 || etype == T_F64;
+        if (!es || eop < O_SUM || eop > O_AVG || (eop == O_AVG && !is_float) ||
+            (is_float && eop >= O_BAND && eop <= O_BXOR)) {
+            PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.run: unsupported element type or operator");
+            return NULL;
+        }
+        if (nbytes < 0 || nbytes > f->slot || nbytes % es || root >= f->size) {
+            PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.run: bad reduction size or root");
+            return NULL;
+        }
+        if (root < 0) root = -1;
+    } else {
+        PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.run: unknown kind");
+        return NULL;
+    }
+    f->kind = kind;
+    f->runs += 1;
+    f->k += 1;
+    if (kind != K_BARRIER) f->b = (int)(f->rounds++ & 1);
+    f->seq = (uint64_t)a[1];
+    f->dst = (char *)(uintptr_t)a[5];
+    f->nbytes = (Py_ssize_t)nbytes;
+    f->root = (int)root;
+    f->etype = etype;
+    f->eop = eop;
+    put_desc(f, f->seq, (uint64_t)nbytes, (uint32_t)(root < 0 ? 0 : root), (int)a[2], (int)a[3], (int)a[4]);
+    if (nbytes && kind == K_REDUCE) memcpy(buffer(f, f->rank, f->b), f->dst, f->nbytes);
+    if (nbytes && kind == K_BROADCAST && f->rank == f->root) memcpy(buffer(f, f->root, f->b), f->dst, f->nbytes);
+    post(f, f->k);
+    if (!wait_peers(f, f->k)) return PyLong_FromLong(WAIT);
+    return PyLong_FromLong(complete(f));
+}
+
+PyDoc_STRVAR(finish_doc,
+             "finish() -> DONE or MISMATCH\n\n"
+             "Complete the pending collective once every peer has posted its step.");
+
+static PyObject *Fast_finish(Fast *f, PyObject *Py_UNUSED(ignored)) {
+    if (f->kind == K_NONE) {
+        PyErr_SetString(PyExc_RuntimeError, "tdist_tcp._shmfast.finish: nothing is pending");
+        return NULL;
+    }
+    if (!all_reached(f, f->k)) {
+        PyErr_SetString(PyExc_RuntimeError, "tdist_tcp._shmfast.finish: a peer has not posted its step");
+        return NULL;
+    }
+    return PyLong_FromLong(complete(f));
+}
+
+PyDoc_STRVAR(abandon_doc, "abandon()\n\nForget the pending collective (it failed while waiting).");
+
+static PyObject *Fast_abandon(Fast *f, PyObject *Py_UNUSED(ignored)) {
+    f->kind = K_NONE;
+    Py_RETURN_NONE;
+}
+
+static int Fast_init(Fast *f, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"address", "ctrl", "data", "slot", "rank", "size", "spin_ns", "yield_", NULL};
+    unsigned long long addr;
+    long long spin_ns;
+    int yield;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KnnniiLp:Fast", kwlist, &addr, &f->ctrl, &f->data, &f->slot,
+                                     &f->rank, &f->size, &spin_ns, &yield))
+        return -1;
+    if (!addr || f->size < 1 || f->size > 4096 || f->rank < 0 || f->rank >= f->size || f->slot < 0) {
+        PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.Fast: bad segment geometry");
+        return -1;
+    }
+    f->base = (char *)(uintptr_t)addr;
+    f->spin_ns = spin_ns;
+    f->yield = yield;
+    f->kind = K_NONE;
+    f->k = 0;
+    f->rounds = 0;
+    f->runs = 0;
+    return 0;
+}
+
+static PyMethodDef Fast_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))Fast_run, METH_FASTCALL, run_doc},
+    {"finish", (PyCFunction)Fast_finish, METH_NOARGS, finish_doc},
+    {"abandon", (PyCFunction)Fast_abandon, METH_NOARGS, abandon_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Fast_members[] = {
+    {"spin_ns", T_LONGLONG, offsetof(Fast, spin_ns), 0, "how long a step spins before returning WAIT"},
+    {"k", T_UINT, offsetof(Fast, k), 0, "steps posted (the last step's number)"},
+    {"rounds", T_ULONGLONG, offsetof(Fast, rounds), 0, "rounds begun (the next round's buffer: rounds & 1)"},
+    {"runs", T_ULONGLONG, offsetof(Fast, runs), READONLY, "collectives run() has started"},
+    {"pending", T_INT, offsetof(Fast, kind), READONLY, "the pending collective's kind (0: none)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject FastType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdist_tcp._shmfast.Fast",
+    .tp_basicsize = sizeof(Fast),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = PyDoc_STR("Fast(address, ctrl, data, slot, rank, size, spin_ns, yield_): one rank's view of a "
+                        "group's shared segment, for its one-step collectives. The caller keeps the mapping "
+                        "alive as long as this object is used."),
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Fast_init,
+    .tp_methods = Fast_methods,
+    .tp_members = Fast_members,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "tdist_tcp._shmfast",
+    .m_doc = "The shared-memory engine's one-step collectives in C (see tdist_tcp.native).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__shmfast(void) {
+    if (PyType_Ready(&FastType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&FastType);
+    if (PyModule_AddObject(m, "Fast", (PyObject *)&FastType) < 0) {
+        Py_DECREF(&FastType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "DONE", DONE);
+    PyModule_AddIntConstant(m, "WAIT", WAIT);
+    PyModule_AddIntConstant(m, "MISMATCH", MISMATCH);
+    PyModule_AddIntConstant(m, "BARRIER", K_BARRIER);
+    PyModule_AddIntConstant(m, "BROADCAST", K_BROADCAST);
+    PyModule_AddIntConstant(m, "REDUCE", K_REDUCE);
+    return m;
+}
