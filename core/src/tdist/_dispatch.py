@@ -124,13 +124,16 @@ def issue(
     operation to the work hooks (ignored when none observe).
     """
     backend = pg.backend_for(device, operation)
-    if pg.check_collectives and operation not in POINT_TO_POINT:
+    p2p = operation in POINT_TO_POINT
+    if pg.check_collectives and not p2p:
         check_collective(pg, backend, operation, device, tensors, reduction, root)
-    seq = pg.next_p2p_seq() if operation in POINT_TO_POINT else pg.next_seq()
+    seq = pg.next_p2p_seq() if p2p else pg.next_seq()
     if not plugins().observes_work:
         if async_op:
             return _start(pg, operation, call, backend, copies)
-        _run_blocking(backend, call, copies, wait_timeout)
+        backend.run_blocking(call, None if wait_timeout is None else seconds(wait_timeout))
+        if copies:
+            _copy_back(copies)
         return None
     info = describe(pg, operation, seq, tensors, reduction, root, peer, tag)
     issued(info)
@@ -139,7 +142,8 @@ def issue(
             work = _start(pg, operation, call, backend, copies)
             watch(work, info)
             return work
-        _run_blocking(backend, call, copies, wait_timeout)
+        backend.run_blocking(call, None if wait_timeout is None else seconds(wait_timeout))
+        _copy_back(copies)
     except Exception as error:  # raised while issuing, failed, or a blocking wait that timed out
         failed(info, error)
         raise
@@ -147,14 +151,8 @@ def issue(
     return None
 
 
-def _run_blocking(
-    backend: Backend,
-    call: Callable[[Backend], Work],
-    copies: Sequence[tuple["torch.Tensor", "torch.Tensor"]],
-    timeout: Timeout,
-) -> None:
-    """Run the operation for a caller that waits (no Work reaches it), then write staged outputs back."""
-    backend.run_blocking(call, seconds(timeout))
+def _copy_back(copies: Sequence[tuple["torch.Tensor", "torch.Tensor"]]) -> None:
+    """Write staged outputs back into the caller's tensors (a blocking call's are done)."""
     for target, staged in copies:
         target.copy_(staged)
 

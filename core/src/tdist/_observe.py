@@ -13,6 +13,7 @@ more than one attribute test.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
@@ -160,19 +161,49 @@ def _rejected_info(operation: str, kwargs: dict) -> WorkInfo:
 
 def rejected(operation: str) -> Callable[[_F], _F]:
     """Decorate the public function of ``operation``: an error it raises that the hooks
-    have not seen (argument checks, before any communication) reaches ``tdist_work_failed``."""
+    have not seen (argument checks, before any communication) reaches ``tdist_work_failed``.
+
+    The wrapper has the function's own parameters (it is on every call's path, and
+    ``*args, **kwargs`` forwarding costs as much as a third of the core's own work)."""
 
     def decorate(function: _F) -> _F:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return function(*args, **kwargs)
-            except Exception as error:
-                if plugins().observes_work and not getattr(error, _SEEN, False):
-                    _mark(error)
-                    plugins().work_failed(_rejected_info(operation, kwargs), error, 0.0)
-                raise
+        def report(error: Exception, group: Any) -> None:
+            if plugins().observes_work and not getattr(error, _SEEN, False):
+                _mark(error)
+                plugins().work_failed(_rejected_info(operation, {"group": group}), error, 0.0)
 
-        return wrapper  # type: ignore[return-value]
+        return functools.wraps(function)(_forwarding(function, report))  # type: ignore[return-value]
 
     return decorate
+
+
+def _forwarding(function: Callable[..., Any], report: Callable[[Exception, Any], None]) -> Callable[..., Any]:
+    """``function`` behind a wrapper of the same parameters and defaults that calls
+    ``report(error, group)`` for an exception it raises, then lets the exception go on."""
+    params, args = [], []
+    namespace: dict[str, Any] = {"_function": function, "_report": report}
+    keyword_only = False
+    parameters = inspect.signature(function).parameters
+    for p in parameters.values():
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            raise TypeError(f"rejected: {function.__name__} has a parameter {p.name} of kind {p.kind}")
+        if p.kind is p.KEYWORD_ONLY and not keyword_only:
+            params.append("*")
+            keyword_only = True
+        default = ""
+        if p.default is not p.empty:
+            namespace[f"_default_{p.name}"] = p.default
+            default = f"=_default_{p.name}"
+        params.append(p.name + default)
+        args.append(f"{p.name}={p.name}" if keyword_only else p.name)
+    group = "group" if "group" in parameters else "None"
+    source = (
+        f"def {function.__name__}({', '.join(params)}):\n"
+        f"    try:\n"
+        f"        return _function({', '.join(args)})\n"
+        f"    except Exception as error:\n"
+        f"        _report(error, {group})\n"
+        f"        raise\n"
+    )
+    exec(source, namespace)  # noqa: S102  (the source is built above from the signature alone)
+    return namespace[function.__name__]

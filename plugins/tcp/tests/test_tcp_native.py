@@ -51,7 +51,7 @@ class Segment:
 
     def peer_posts(self, step: int, seq: int, op: int, redop: int, dtype: int, nbytes: int, root: int) -> None:
         at = CTRL + 1 * S._CTRL
-        S._DESC.pack_into(self.mm, at + S._DESC_AT + 32 * (seq & 1), seq, nbytes, root, op, redop, dtype)
+        S._DESC.pack_into(self.mm, at + S._DESC_AT + S._DESC_STRIDE * (seq & 1), seq, nbytes, root, op, redop, dtype)
         self.mm[at : at + 4] = step.to_bytes(4, "little")
 
     def peer_data(self, buffer: int, data: bytes) -> None:

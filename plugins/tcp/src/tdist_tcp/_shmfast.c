@@ -6,7 +6,7 @@
  * one collective, but a group may mix ranks with and without it):
  *
  *   per rank, at ctrl + rank * 256: uint32 counter, uint32 "sleeping" flag, uint32 pid,
- *   and at +64 + 32 * (seq & 1) the descriptor <QQIBBBx (seq, nbytes, root, op, redop,
+ *   and at +16 + 24 * (seq & 1) the descriptor <QQIBBBx (seq, nbytes, root, op, redop,
  *   dtype); per rank, at data + (2 * rank + b) * slot, two data buffers.
  *
  * A collective here is one step: write the descriptor (and this rank's data), post
@@ -33,7 +33,7 @@
 #include <unistd.h>
 
 #define CTRL_BYTES 256
-#define DESC_AT 64
+#define DESC_AT 16 /* two descriptors, by parity, in the counter's cache line */
 #define DESC_BYTES 24
 #define HALF 0x80000000u
 #define GIL_SPIN_NS 10000 /* spin this long holding the GIL, the rest of the spin without it */
@@ -90,7 +90,7 @@ static void put_desc(Fast *f, uint64_t seq, uint64_t nbytes, uint32_t root, int 
     d[21] = (unsigned char)redop;
     d[22] = (unsigned char)dtype;
     d[23] = 0;
-    memcpy(f->base + f->ctrl + (Py_ssize_t)f->rank * CTRL_BYTES + DESC_AT + 32 * (seq & 1), d, DESC_BYTES);
+    memcpy(f->base + f->ctrl + (Py_ssize_t)f->rank * CTRL_BYTES + DESC_AT + DESC_BYTES * (seq & 1), d, DESC_BYTES);
 }
 
 /* Post step k and wake any peer that sleeps on our counter. */
@@ -142,7 +142,7 @@ static int wait_peers(Fast *f, uint32_t k) {
 }
 
 static int descs_agree(Fast *f) {
-    Py_ssize_t at = DESC_AT + 32 * (f->seq & 1);
+    Py_ssize_t at = DESC_AT + DESC_BYTES * (f->seq & 1);
     const char *mine = f->base + f->ctrl + (Py_ssize_t)f->rank * CTRL_BYTES + at;
     for (int q = 0; q < f->size; q++)
         if (q != f->rank && memcmp(mine, f->base + f->ctrl + (Py_ssize_t)q * CTRL_BYTES + at, DESC_BYTES))

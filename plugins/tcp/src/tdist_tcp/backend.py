@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+from threading import get_ident
 import traceback
 import weakref
 from datetime import timedelta
@@ -162,7 +163,7 @@ class TcpBackend(Backend):
         self._coll_lane = Lane(f"tdist-tcp-coll-r{rank}", grace, self._timeout_s)
         self._send_lane = Lane(f"tdist-tcp-send-r{rank}", grace, self._timeout_s)
         self._seq = 0
-        self._codes: dict[tuple[int, Any], tuple[int, int, int, int]] = {}  # see _codes_of
+        self._codes: dict[Any, tuple[int, int, int, int]] = {}  # see _codes_of
         self._scratch = algo.Scratch()
         self._p2p_seq = [0] * size
         self._shut = False
@@ -183,7 +184,7 @@ class TcpBackend(Backend):
         """Queue one collective on the collective lane (``nbytes``: this rank's tensor, for messages)."""
         tr = self._tr
         if tr.broken is not None:
-            if self._blocking == threading.get_ident():
+            if self._blocking == get_ident():
                 raise tr.broken
             work = TcpWork(f"tcp {name} on {self._me}", self._work_timeout)
             work.set_exception(tr.broken)
@@ -207,7 +208,7 @@ class TcpBackend(Backend):
             finally:
                 self._in_collective = False
 
-        if self._blocking == threading.get_ident() and self._coll_lane.run_now(job):
+        if self._blocking == get_ident() and self._coll_lane.run_now(job):
             return _RAN
         work = TcpWork(f"tcp {name} on {self._me}", self._work_timeout)
         self._coll_lane.submit(job, work)
@@ -216,7 +217,7 @@ class TcpBackend(Backend):
     def _codes_of(self, redop: Optional["Reduction"], dtype: Any) -> tuple[int, int, int, int]:
         """The wire codes of (reduce op, dtype), and :mod:`tdist_tcp.native`'s element type and
         operator codes (0: not reduced in C), remembered per pair."""
-        key = (0 if redop is None else id(redop.op), dtype)  # (members are singletons, slow to hash)
+        key = dtype if redop is None else (id(redop.op), dtype)  # (members are singletons, slow to hash)
         codes = self._codes.get(key)
         if codes is None:
             etype = native.element_type(dtype) if dtype is not None else 0
@@ -283,7 +284,7 @@ class TcpBackend(Backend):
     def _quick_reduce(self, name: str, tensor: "torch.Tensor", op: "Reduction", root: int) -> bool:
         """all_reduce (``root`` -1) or reduce through :meth:`_quick`, when the C part can do it."""
         shm = self._shm
-        if shm is None or shm.fast is None or self._blocking != threading.get_ident():
+        if shm is None or shm.fast is None or self._blocking != get_ident():
             return False
         nbytes = tensor.nbytes
         if nbytes > shm.quick_reduce_bytes or not tensor.is_contiguous() or tensor.is_neg():
@@ -298,7 +299,7 @@ class TcpBackend(Backend):
         if timeout is not None and timeout < self._timeout_s:
             super().run_blocking(call, timeout)
             return
-        self._blocking = threading.get_ident()
+        self._blocking = get_ident()
         try:
             work = call(self)
         finally:
@@ -380,7 +381,7 @@ class TcpBackend(Backend):
     # ------------------------------------------------------------- collectives
     def broadcast(self, tensor: "torch.Tensor", src: int) -> Work:
         shm = self._shm
-        if shm is not None and shm.fast is not None and self._blocking == threading.get_ident():
+        if shm is not None and shm.fast is not None and self._blocking == get_ident():
             nbytes = tensor.nbytes  # one C call if it can (see _quick); a conjugate view only if complex
             _rcode, dcode, etype, _eop = self._codes_of(None, tensor.dtype)
             if (
@@ -601,7 +602,7 @@ class TcpBackend(Backend):
         if (
             shm is not None
             and shm.fast is not None
-            and self._blocking == threading.get_ident()
+            and self._blocking == get_ident()
             and self._quick("barrier", native.BARRIER)
         ):
             return _RAN

@@ -6,7 +6,9 @@ Whoever waits on the Work first *runs it in the waiting thread* when the lane is
 thread runs it. The worker leaves a freshly queued job alone for a short grace
 period (the caller usually waits right away), then runs it, so an ``async_op``
 collective that nobody waits on yet still makes progress. Jobs of one lane always
-run one at a time, in the order they were queued.
+run one at a time, in the order they were queued; a caller that runs a job itself
+(:meth:`Lane.claim`, the tcp backend's quick collectives) takes the lane only when
+nothing runs or waits in it.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class Lane:
         self.inline_limit = inline_limit  # waits shorter than this never run a job inline
         self._lock = threading.Lock()  # taken directly on hot paths (a Condition's ``with`` runs Python code)
         self._cv = threading.Condition(self._lock)
+        self._running = threading.Lock()  # held while a job runs, by whichever thread runs it
         self._queue: deque[TcpWork] = deque()
         self._busy = False
         self._urgent = False
@@ -144,7 +147,8 @@ class Lane:
                 return False
             self._busy = True
         try:
-            Job(fn, work).run()
+            with self._running:
+                Job(fn, work).run()
         finally:
             with self._lock:
                 self._busy = False
@@ -153,36 +157,39 @@ class Lane:
                     self._cv.notify()
         return True
 
-    def claim(self) -> bool:
-        """Take the lane for the calling thread if it is idle and nothing is queued (FIFO
-        order holds): True, and :meth:`release` gives it back; False otherwise."""
+    def run_now(self, fn: Callable[[], Any]) -> bool:
+        """Run ``fn`` in this thread if the lane is idle and nothing is queued (FIFO order
+        holds), letting its error propagate; False, without running it, otherwise."""
         with self._lock:
             if self._busy or self._queue or self._closed is not None:
                 return False
             self._busy = True
-            return True
+        try:
+            with self._running:
+                fn()
+        finally:
+            with self._lock:
+                self._busy = False
+                if self._queue:
+                    self._cv.notify()
+        return True
+
+    def claim(self) -> bool:
+        """Take the idle lane (nothing running or queued) for a job the caller runs itself,
+        without the lane's bookkeeping: True, and :meth:`release` gives it back; False,
+        taking nothing, otherwise. One atomic test-and-set, no lock held: a job queued
+        meanwhile comes after it (FIFO holds) and its runner waits for the release."""
+        running = self._running
+        if not running.acquire(False):
+            return False
+        if self._busy or self._queue or self._closed is not None:
+            running.release()
+            return False
+        return True
 
     def release(self) -> None:
-        """Give back a lane taken by :meth:`claim` (its worker then runs what was queued meanwhile).
-
-        Clearing the flag needs no lock (only the claimer clears it; whoever reads it
-        under the lock a moment early waits for the worker's next look, a grace period
-        at most); only waking the worker does."""
-        self._busy = False
-        if self._queue:
-            with self._lock:
-                self._cv.notify()
-
-    def run_now(self, fn: Callable[[], Any]) -> bool:
-        """Run ``fn`` in this thread if the lane is idle and nothing is queued (FIFO order
-        holds), letting its error propagate; False, without running it, otherwise."""
-        if not self.claim():
-            return False
-        try:
-            fn()
-        finally:
-            self.release()
-        return True
+        """Give back a lane taken by :meth:`claim`."""
+        self._running.release()
 
     def drive(self, job: TcpWork, timeout: Optional[float]) -> None:
         """Called by a waiter of ``job``: run the queue up to ``job`` inline if the lane is
@@ -204,7 +211,8 @@ class Lane:
                 head.started = True
                 self._busy = True
             try:
-                head.run()
+                with self._running:
+                    head.run()
             finally:
                 with self._lock:
                     self._busy = False
@@ -239,7 +247,8 @@ class Lane:
                 if not self._queue:
                     self._urgent = False
             try:
-                head.run()
+                with self._running:
+                    head.run()
             finally:
                 with cv:
                     self._busy = False

@@ -93,8 +93,9 @@ DEFAULT_BLOCK_BYTES = 256 << 10
 
 _CTRL = 256  # control bytes per rank
 _CTR, _FLAG, _PID = 0, 1, 2  # uint32 words of a control block
-_DESC_AT = 64  # two descriptors (by collective parity) from here
 _DESC = struct.Struct("<QQIBBBx")  # seq, nbytes, root, op, redop, dtype
+_DESC_AT = 16  # two descriptors (by collective parity) from here: in the counter's cache line
+_DESC_STRIDE = _DESC.size
 _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
 _ALIGN = 64
@@ -245,7 +246,7 @@ class ShmEngine:
             direct_bytes = int(options.get("shm_direct_bytes", DEFAULT_DIRECT_BYTES // size))
         self.direct_bytes = min(direct_bytes, slot)  # must be the same on every rank
         self.block_bytes = max(4096, int(options.get("shm_block_bytes", DEFAULT_BLOCK_BYTES)))
-        self._my_desc = [ctrl + rank * _CTRL + _DESC_AT, ctrl + rank * _CTRL + _DESC_AT + 32]
+        self._my_desc = [ctrl + rank * _CTRL + _DESC_AT, ctrl + rank * _CTRL + _DESC_AT + _DESC_STRIDE]
         self._kernels: dict = {}
         self._last_kernel: tuple = (None, None, None)
         self._views: dict = {}
@@ -423,7 +424,7 @@ class ShmEngine:
             raise tr.collective_timeout(c, q, via=" (shared memory)")
 
     def _check(self, c: "Coll", desc: tuple) -> None:
-        parity = (c.seq & 1) * 32
+        parity = (c.seq & 1) * _DESC_STRIDE
         for q in self._peers:
             theirs = _DESC.unpack_from(self.mm, self._ctrl_off + q * _CTRL + _DESC_AT + parity)
             if theirs == desc:
