@@ -13,7 +13,8 @@ destroys the group. The checks, on every rank:
   must send and receive for it: at least half the tensor);
 - ``all_gather`` of every rank's (rank, host name as a number tensor): which host each
   rank runs on, so the test can check that the ranks span the hosts;
-- for the tcp backend, that the group does not use shared memory;
+- for the tcp backend, whether the group uses shared memory, and the hosts its
+  hierarchical collectives see (shared memory within a host, never across hosts);
 - how long ``init_process_group`` took, and how many UDP sockets of this process are still
   bound to the init method's port (a multicast ``tcp://`` rendezvous must close its own).
 
@@ -133,9 +134,10 @@ def check(dist, backend: str, init_method, nbytes: int, **extra) -> None:
     dist.all_gather(names, name)
     hosts = [bytes(int(c) for c in t.tolist() if c).decode() for t in names]
 
-    uses_shm = None
+    uses_shm = tcp_hosts = None
     if backend == "tcp":
         uses_shm = bool(dist.group.WORLD.backends["cpu"].uses_shm)
+        tcp_hosts = dist.group.WORLD.backends["cpu"].hosts
     print(
         "RESULT "
         + json.dumps(
@@ -149,6 +151,7 @@ def check(dist, backend: str, init_method, nbytes: int, **extra) -> None:
                 "rx": after[0] - before[0],
                 "tx": after[1] - before[1],
                 "uses_shm": uses_shm,
+                "tcp_hosts": tcp_hosts,
                 **extra,
             }
         ),

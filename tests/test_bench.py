@@ -185,3 +185,37 @@ def test_tls_compares_tcp_with_and_without_tls(tmp_path):
         ("tcp", "all_reduce", 65536, 2),
         ("tcp+tls", "all_reduce", 65536, 2),
     }
+
+
+def test_link_bound():
+    from tdist.bench.hosts import format_bounds, link_bound
+
+    assert link_bound("all_reduce", 16 << 20, 2, 1e9) == pytest.approx(16 * 2**20 * 8 / 1e9)
+    assert link_bound("all_reduce", 1 << 20, 4, 1e9) == pytest.approx(1.5 * 2**20 * 8 / 1e9)
+    assert link_bound("broadcast", 1 << 20, 2, 1e9) is None and link_bound("all_reduce", 8, 1, 1e9) is None
+    rows = [
+        {"backend": b, "op": "all_reduce", "bytes": 16 << 20, "time_s": t, "hosts": 2, "link_rate_bps": 1e9}
+        for b, t in (("tcp", 0.2), ("gloo", 0.4))
+    ]
+    text = format_bounds(rows, ["tcp", "gloo"])
+    assert "bound 134.2 ms" in text and "tcp 1.49x" in text and "gloo 2.98x" in text
+    assert format_bounds([dict(r, link_rate_bps=None) for r in rows], ["tcp"]) == ""
+
+
+def test_hosts_mode_runs_on_a_simulated_cluster(tmp_path):
+    from tdist.testing.cluster import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"simulated cluster unavailable: {reason}")
+    out = tmp_path / "hosts.json"
+    args = ["--hosts", "2", "--ranks-per-host", "2", "--sizes", "4,1M", "--link-rate", "10gbit"]
+    proc = _run(args + ["--repeats", "1", "--sample-time", "0.01", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "simulated cluster: 2 hosts x 2 ranks, links 10gbit" in proc.stdout
+    assert "link bound" in proc.stdout and "tcp/gloo" in proc.stdout and "tcp+flat/gloo" in proc.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["backend"], r["bytes"], r["world"], r["hosts"]) for r in rows} == {
+        (b, n, 4, 2) for b in ("tcp", "tcp+flat", "gloo") for n in (4, 1 << 20)
+    }
+    assert all(r["link_rate_bps"] == 1e10 and r["time_s"] > 0 for r in rows)

@@ -466,6 +466,12 @@ def shm_suites_job(b: Any, rank: int, sizes: tuple = (5, 1000, 5000), n: int = 3
     return b.uses_shm, failures, digest, shm_files([os.getpid()]), shm_mappings()
 
 
+def hierarchy_suites_job(b: Any, rank: int) -> tuple:
+    """The group's hosts and :func:`shm_suites_job` across the hierarchical algorithms'
+    sizes (odd rank: as a caller that waits)."""
+    return b.hosts, shm_suites_job(b, rank, sizes=(5, 70001), n=700, blocking=rank % 2 == 1)
+
+
 def shm_state_job(b: Any, rank: int) -> tuple:
     """(uses shm, segments this process created still in /dev/shm, segments it maps)."""
     b.all_reduce(torch.ones(4), Reduction(ReduceOp.SUM)).wait()

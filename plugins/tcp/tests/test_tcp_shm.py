@@ -307,12 +307,14 @@ import sys, time
 sys.path.insert(0, sys.argv[3])
 from _tcp_harness import dir_store, make_backend
 from tdist_tcp.mesh import connect_mesh
+from tdist_tcp.topology import host_id, host_layout
 
 rank, store = int(sys.argv[1]), dir_store(sys.argv[2])
 if rank == 0:
     make_backend(store, 0, 2, 120.0)  # creates the segment, then waits for rank 1's answer
-else:
-    connect_mesh(store, 1, 2, 120.0, {})  # connects, never answers the shared-memory setup
+else:  # connects, says where it runs, never answers the shared-memory setup
+    mesh = connect_mesh(store, 1, 2, 120.0, {})
+    host_layout(store, 1, 2, mesh.nonce, 120.0, host_id({}, 1))
     time.sleep(120)
 """
 

@@ -10,6 +10,8 @@ Examples::
     python -m tdist.bench --store                           # TCPStore: tdist against torch's
     python -m tdist.bench --ddp                   # torch DDP steps on tdist-tcp vs torch's gloo
     python -m tdist.bench --tls                   # tcp over sockets: TLS on vs off (16 MiB all_reduce)
+    python -m tdist.bench --hosts 2               # 2 simulated hosts x 2 ranks: tcp vs gloo (root)
+    python -m tdist.bench --hosts 2 --link-rate 1gbit --link-delay 0.001
 """
 
 from __future__ import annotations
@@ -126,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="time torch's DistributedDataParallel steps on tdist-tcp against torch's gloo instead "
         "(--world-sizes, --repeats apply)",
     )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="run on a simulated cluster of this many hosts (network namespaces; root) instead; "
+        "default: all_reduce of 4,256K,16M,64M, tcp against gloo",
+    )
+    p.add_argument("--ranks-per-host", type=int, default=2, help="ranks on each host for --hosts (default 2)")
+    p.add_argument("--link-rate", help="each host's link rate for --hosts, e.g. 1gbit (tc tbf; default unlimited)")
+    p.add_argument(
+        "--link-delay", type=float, default=0.0, help="seconds added to every frame a host sends, for --hosts"
+    )
     p.add_argument("--ddp-steps", type=int, default=5, help="training steps per sample for --ddp")
     p.add_argument("--ddp-batch", type=int, default=16, help="rows per rank per step for --ddp (default 16)")
     return p
@@ -179,6 +193,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.json:
             write_json(args.json, rows, {"mode": "ddp"})
         return 0
+    if args.hosts:
+        _configure_hosts(args)
     if args.tls:
         import shutil
 
@@ -190,6 +206,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         finally:
             shutil.rmtree(certificates, ignore_errors=True)
     return _collectives(args, argv)
+
+
+def _configure_hosts(args: argparse.Namespace) -> None:
+    """``--hosts``' defaults: all_reduce of 4 B .. 64 MiB; tcp (hierarchical), tcp with the
+    flat socket algorithms (``tcp+flat``) and torch's gloo, ratios against gloo; no MPI
+    (its workers would need one mpirun across the hosts)."""
+    from .hosts import DEFAULT_SIZES, FLAT_BACKEND
+
+    if args.ops == ",".join(OPS):
+        args.ops = "all_reduce"
+    if not args.sizes:
+        args.sizes = ",".join(str(n) for n in DEFAULT_SIZES)
+    if args.backends == build_parser().get_default("backends"):
+        args.backends = f"tcp,{FLAT_BACKEND},gloo"
+        args.option = list(args.option) + [f"{FLAT_BACKEND}:hierarchy=off"]
+    args.no_mpi = True
 
 
 def _needs_mpirun(name: str) -> bool:
@@ -241,10 +273,22 @@ def _collectives(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     }
     results: list[dict] = []
     started = time.time()
-    for world in worlds:
-        results.extend(run_world(world, cfg, use_mpi, args.timeout, args.verbose))
+    if args.hosts:
+        from .hosts import format_bounds, run_hosts
+
+        results = run_hosts(
+            args.hosts, args.ranks_per_host, cfg, args.timeout, args.link_rate, args.link_delay, args.verbose
+        )
+    else:
+        for world in worlds:
+            results.extend(run_world(world, cfg, use_mpi, args.timeout, args.verbose))
     results = annotate(results)
+    if args.hosts:
+        link = f", links {args.link_rate or 'unlimited'}, {args.link_delay * 1e3:g} ms delay"
+        print(f"simulated cluster: {args.hosts} hosts x {args.ranks_per_host} ranks{link}\n")
     print(table(results, backends, args.reference))
+    if args.hosts:
+        print(format_bounds(results, backends))
     meta = {
         "argv": sys.argv[1:] if argv is None else argv,
         "backends": backends,

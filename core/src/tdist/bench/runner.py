@@ -12,11 +12,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from .._local import find_mpirun, free_port, mpirun_env
 
-__all__ = ["find_mpirun", "free_port", "run_world", "mpi_available"]
+__all__ = ["find_mpirun", "free_port", "run_world", "mpi_available", "wait_workers"]
 
 
 def mpi_available() -> tuple[bool, str]:
@@ -71,6 +71,19 @@ def run_world(
         for rank in range(world):
             penv = dict(env, TDIST_BENCH_RANK=str(rank), TDIST_BENCH_WORLD=str(world))
             procs.append(subprocess.Popen(worker, env=penv, start_new_session=True))
+    failed = wait_workers(procs, timeout, f"the world of {world}")
+    if failed is not None:
+        raise RuntimeError(f"tdist.bench: {failed}")
+    with open(cfg["result"]) as f:
+        results = json.load(f)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+def wait_workers(procs: Sequence[subprocess.Popen], timeout: float, what: str) -> Optional[str]:
+    """Wait for every worker to exit; None when all exited 0, else what went wrong (a
+    worker's failure or ``what`` running past ``timeout``). Every worker still running
+    is then killed, with its process group."""
     deadline = time.monotonic() + timeout
     failed = None
     try:
@@ -80,7 +93,7 @@ def run_world(
                 failed = f"a worker exited with status {bad[0].returncode}"
                 break
             if time.monotonic() > deadline:
-                failed = f"the world of {world} did not finish within {timeout:g} s"
+                failed = f"{what} did not finish within {timeout:g} s"
                 break
             time.sleep(0.05)
         else:
@@ -95,9 +108,4 @@ def run_world(
                 except OSError:
                     pass
                 p.wait(10)
-    if failed is not None:
-        raise RuntimeError(f"tdist.bench: {failed}")
-    with open(cfg["result"]) as f:
-        results = json.load(f)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return results
+    return failed

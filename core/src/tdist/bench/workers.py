@@ -171,12 +171,12 @@ class TdistAdapter(_TorchLike):
 class TorchGlooAdapter(_TorchLike):
     name = "gloo"
 
-    def __init__(self, rank: int, world: int, port: int, timeout: float) -> None:
+    def __init__(self, rank: int, world: int, port: int, timeout: float, master: str = "127.0.0.1") -> None:
         import torch.distributed as td
 
         td.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{master}:{port}",
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeout),
@@ -278,7 +278,8 @@ def make_adapters(cfg: dict, rank: int, world: int, under_mpi: bool) -> tuple[li
     import torch.distributed as td
 
     timeout = float(cfg.get("timeout", 300))
-    gloo = TorchGlooAdapter(rank, world, cfg["ports"]["gloo"], timeout)
+    master = cfg.get("master", "127.0.0.1")  # rank 0's address (another host's, on a simulated cluster)
+    gloo = TorchGlooAdapter(rank, world, cfg["ports"]["gloo"], timeout, master)
     adapters: list[Adapter] = []
     tdist_default = None
     for name in cfg["backends"]:
@@ -294,7 +295,7 @@ def make_adapters(cfg: dict, rank: int, world: int, under_mpi: bool) -> tuple[li
             options = cfg.get("options", {}).get(name) or None
             if tdist_default is None:
                 spec = tdist.get_backend_spec(backend)
-                init = spec.default_init_method or f"tcp://127.0.0.1:{cfg['ports']['tdist']}"
+                init = spec.default_init_method or f"tcp://{master}:{cfg['ports']['tdist']}"
                 tdist.init_process_group(
                     backend,
                     init_method=init,

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Coll",
+    "SubColl",
     "Scratch",
     "segments",
     "all_reduce_small",
@@ -170,6 +171,34 @@ class Coll:
         pr = self.irecv(peer, dest, part)
         self.send(peer, payload, part)
         self.wait(pr)
+
+
+class SubColl(Coll):
+    """The same collective seen by a subset of the group's ranks (``ranks``, in the order
+    that numbers them here): ``rank`` and ``size`` count members, and every peer named
+    to :meth:`irecv`, :meth:`send`, :meth:`irecv_ack` and :meth:`ack` is a member index.
+    Frames keep the collective's header, so subsets of one collective must not reuse a
+    (peer pair, part) — the hierarchical collectives run one socket phase per pair."""
+
+    __slots__ = ("ranks",)
+
+    def __init__(self, c: Coll, ranks: Sequence[int]) -> None:
+        super().__init__(c.tr, c.op, c.redop, c.seq, c.dtype, c.deadline, c.scratch, c.nbytes)
+        self.ranks = ranks
+        self.rank = ranks.index(c.rank)
+        self.size = len(ranks)
+
+    def irecv(self, src: int, dest: memoryview, part: int = 0) -> PostedRecv:
+        return super().irecv(self.ranks[src], dest, part)
+
+    def send(self, dst: int, payload: memoryview, part: int = 0) -> None:
+        super().send(self.ranks[dst], payload, part)
+
+    def irecv_ack(self, src: int) -> PostedRecv:
+        return super().irecv_ack(self.ranks[src])
+
+    def ack(self, dst: int) -> None:
+        super().ack(self.ranks[dst])
 
 
 def segments(n: int, seg: int) -> list[tuple[int, int]]:

@@ -51,9 +51,11 @@ from tdist.plugin import (
 
 from . import algorithms as algo
 from . import native
+from .hierarchy import Hierarchy
 from .lanes import Lane, TcpWork
 from .mesh import connect_mesh
-from .shm import ShmEngine, open_shm
+from .shm import ShmEngine, open_shm, shm_enabled
+from .topology import Layout, everyones, hierarchy_mode, host_id, host_layout
 from .transport import PostedRecv, Transport
 from .wire import OP_CODES, P2P, byte_view, dtype_code, pack_header, redop_code
 
@@ -147,7 +149,11 @@ class TcpBackend(Backend):
         options: Mapping[str, Any],
         shm: Optional[ShmEngine] = None,
         authenticated: bool = False,
+        layout: Optional[Layout] = None,
+        host_shm: Optional[ShmEngine] = None,
     ) -> None:
+        """``shm``: the whole group's segment (all ranks on one host); ``layout`` (several
+        hosts): the hierarchical collectives over it, ``host_shm`` this host's segment."""
         super().__init__(rank, size, timeout)
         self._shm = shm
         self._authenticated = authenticated
@@ -158,6 +164,9 @@ class TcpBackend(Backend):
         self._work_timeout = self._timeout_s + 5.0  # the operation's own, more precise, timeout fires first
         self._ring_threshold = int(opts["ring_threshold"])
         self._segment_bytes = max(1, int(opts["segment_bytes"]))
+        self._hier: Optional[Hierarchy] = None
+        if layout is not None:
+            self._hier = Hierarchy(layout, rank, host_shm, self._ring_threshold, self._seg_elems)
         self._linger = float(opts["linger"])
         grace = float(opts["grace"])
         self._coll_lane = Lane(f"tdist-tcp-coll-r{rank}", grace, self._timeout_s)
@@ -310,7 +319,7 @@ class TcpBackend(Backend):
     def _forget_frames(self, exc: BaseException) -> None:
         """Clear the locals of a failed collective's finished frames: they may hold views of
         the shared segment, which could then not be unmapped at destroy."""
-        if self._shm is not None:
+        if self.uses_shm:
             traceback.clear_frames(exc.__traceback__)
 
     # ---------------------------------------------------------- point-to-point
@@ -397,6 +406,8 @@ class TcpBackend(Backend):
             flat, back = _inplace(tensor)
             if self._shm is not None:
                 self._shm.broadcast(c, flat, src)
+            elif self._hier is not None:
+                self._hier.broadcast(c, flat, src)
             elif self.size > 1:
                 view = byte_view(flat)
                 if len(view) > self._ring_threshold and self.size > 2:
@@ -420,6 +431,9 @@ class TcpBackend(Backend):
                 _prescale(flat, op)
             if self._shm is not None:
                 self._shm.all_reduce(c, flat, op)  # finalizes AVG itself
+            elif self._hier is not None:
+                self._hier.all_reduce(c, flat, op)
+                _finalize(flat, op, self.size)
             else:
                 if self.size > 1:
                     es = flat.element_size()
@@ -444,6 +458,8 @@ class TcpBackend(Backend):
             _prescale(flat, op)
             if self._shm is not None:
                 self._shm.all_reduce(c, flat, op, root=dst)  # finalizes AVG itself
+            elif self._hier is not None:
+                self._hier.reduce(c, flat, dst, op)
             elif self.size > 1:
                 algo.reduce_tree(c, flat, dst, op, self._seg_elems(flat.element_size()))
             if self.rank == dst:
@@ -458,6 +474,8 @@ class TcpBackend(Backend):
     def _gather_ring(self, c: algo.Coll, blocks: list, tensor: "torch.Tensor") -> None:
         if self._shm is not None:
             self._shm.gather_blocks(c, _source(tensor), blocks, None)
+            return
+        if self._hier is not None and self._hier.all_gather(c, blocks, _source(tensor)):
             return
         algo.copy_serial(blocks[self.rank], _source(tensor))
         if self.size > 1:
@@ -547,18 +565,30 @@ class TcpBackend(Backend):
         if back is not None:
             back.copy_(out.view(back.shape))
 
-    def _shm_reduce_scatter(self, c: algo.Coll, output: "torch.Tensor", inputs: list, op: "Reduction") -> None:
-        out, back = _output(output)
-        self._shm.reduce_scatter(c, out, inputs, op)  # type: ignore[union-attr]
+    def _local_reduce_scatter(self, c: algo.Coll, output: "torch.Tensor", inputs: list, op: "Reduction") -> bool:
+        """The reduce_scatter through shared memory (one host) or the hierarchy (several);
+        False (nothing done) where neither serves it."""
+        if self._shm is not None:
+            out, back = _output(output)
+            self._shm.reduce_scatter(c, out, inputs, op)
+        elif self._hier is not None and all(t.numel() == output.numel() for t in inputs):
+            result = self._hier.reduce_scatter(c, output, inputs, op)
+            if result is None:
+                return False
+            _finalize(result, op, self.size)
+            out, back = _output(output)
+            algo.copy_serial(out, result)
+        else:
+            return False
         if back is not None:
             back.copy_(out.view(back.shape))
+        return True
 
     def reduce_scatter(self, output: "torch.Tensor", inputs: Sequence["torch.Tensor"], op: "Reduction") -> Work:
         check_reduction(op, output.dtype, "tcp reduce_scatter")
 
         def body(c: algo.Coll) -> list:
-            if self._shm is not None:
-                self._shm_reduce_scatter(c, output, [_source(t) for t in inputs], op)
+            if self._local_reduce_scatter(c, output, [_source(t) for t in inputs], op):
                 return [output]
             work = _concat(c, [_source(t) for t in inputs])  # the inputs must stay untouched
             self._reduce_scatter(c, output, work, [t.numel() for t in inputs], op)
@@ -570,8 +600,7 @@ class TcpBackend(Backend):
         check_reduction(op, output.dtype, "tcp reduce_scatter_tensor")
 
         def body(c: algo.Coll) -> list:
-            if self._shm is not None:
-                self._shm_reduce_scatter(c, output, list(_source(tensor).chunk(self.size)), op)
+            if self._local_reduce_scatter(c, output, list(_source(tensor).chunk(self.size)), op):
                 return [output]
             work = _concat(c, [_source(tensor)])
             self._reduce_scatter(c, output, work, [output.numel()] * self.size, op)
@@ -624,12 +653,14 @@ class TcpBackend(Backend):
                 return
             self._shut = True
         self._tr.close(self._linger)  # wakes a collective waiting on the segment: it fails
-        if self._shm is not None:
+        engines = [e for e in (self._shm, self._hier.shm if self._hier else None) if e is not None]
+        if engines:
             deadline = time.monotonic() + 5.0
             while self._in_collective and time.monotonic() < deadline:
                 time.sleep(0.001)
             if not self._in_collective:  # else it is stuck in a computation: the GC unmaps later
-                self._shm.close()
+                for engine in engines:
+                    engine.close()
         self._scratch.clear()
         error = DistBackendError(f"tcp backend: {self._tr.me}'s process group was destroyed")
         self._coll_lane.close(error)
@@ -643,14 +674,20 @@ class TcpBackend(Backend):
 
     def __repr__(self) -> str:
         state = "shut down" if self._shut else ("broken" if self._tr.broken else "ok")
-        via = " shm" if self._shm is not None else ""
+        via = " shm" if self._shm is not None else (" hierarchical" if self._hier is not None else "")
         auth = " authenticated" if self._authenticated else ""
         return f"<TcpBackend rank {self.rank}/{self.size}{via}{auth} {state}>"
 
     @property
     def uses_shm(self) -> bool:
-        """Whether this group's collectives go through shared memory."""
-        return self._shm is not None
+        """Whether this group's collectives go through shared memory (all of them, or within
+        each host of a hierarchical group)."""
+        return self._shm is not None or (self._hier is not None and self._hier.shm is not None)
+
+    @property
+    def hosts(self) -> Optional[list[list[int]]]:
+        """The group's ranks by host when its collectives are hierarchical, else None."""
+        return [list(m) for m in self._hier.layout.hosts] if self._hier is not None else None
 
     @property
     def authenticated(self) -> bool:
@@ -689,11 +726,68 @@ def create_backend(
             options,
             authenticated=bool(secret),
         )
+    mode, host = hierarchy_mode(options), host_id(options, rank)  # (bad options: an error before connecting)
     mesh = connect_mesh(store, rank, world_size, timeout_s, options, secret)
     transport = Transport(rank, world_size, mesh.sockets, timeout_s, global_ranks)
+    shm = host_shm = layout = None
     try:
-        shm = open_shm(store, rank, world_size, timeout_s, options, transport, mesh.nonce, mesh.key)
+        layout = host_layout(store, rank, world_size, mesh.nonce, timeout_s, host)
+        if len(layout.hosts) == 1:
+            shm = open_shm(store, rank, world_size, timeout_s, options, transport, mesh.nonce, mesh.key)
+            layout = None
+        elif mode == "off" or not layout.worth_it or not shm_enabled(options):
+            layout = None
+        else:
+            layout, host_shm = _open_hosts(store, rank, world_size, timeout_s, options, transport, mesh, layout)
     except BaseException:
+        for engine in (shm, host_shm):
+            if engine is not None:
+                engine.close()
         transport.close(0.0)
         raise
-    return TcpBackend(rank, world_size, timeout, transport, options, shm, authenticated=bool(secret))
+    return TcpBackend(
+        rank, world_size, timeout, transport, options, shm, bool(secret), layout=layout, host_shm=host_shm
+    )
+
+
+def _open_hosts(
+    store: "Store",
+    rank: int,
+    size: int,
+    timeout: float,
+    options: Mapping,
+    transport: Transport,
+    mesh: Any,
+    layout: Layout,
+) -> tuple[Optional[Layout], Optional[ShmEngine]]:
+    """Every host's segment; the layout and this host's segment (None when alone on it) if
+    every host with several ranks has its segment, else (None, None) on every rank."""
+    deadline = time.monotonic() + timeout
+    members = layout.hosts[layout.host_of(rank)]
+    engine = None
+    if len(members) > 1:
+        index = members.index(rank)
+        engine = open_shm(
+            store, index, len(members), timeout, options, transport, mesh.nonce, mesh.key, members=members
+        )
+    ready = "1" if engine is not None or len(members) == 1 else "0"
+    try:
+        answers = everyones(
+            store,
+            f"tcp/hier/{mesh.nonce.hex()}/",
+            rank,
+            size,
+            ready,
+            deadline - time.monotonic(),
+            "opening every host's shared memory",
+        )
+        agreed = all(v == b"1" for v in answers)
+    except BaseException:
+        if engine is not None:
+            engine.close()
+        raise
+    if agreed:
+        return layout, engine
+    if engine is not None:
+        engine.close()
+    return None, None

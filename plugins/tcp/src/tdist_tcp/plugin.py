@@ -51,6 +51,9 @@ def tdist_register_backends(registry: Any) -> None:
                     "shm_block_bytes",
                     "shm_spin_us",
                     "native",
+                    "hierarchy",
+                    "host_id",
+                    "ranks_per_host",
                 )
             },
         )

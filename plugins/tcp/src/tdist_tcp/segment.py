@@ -30,7 +30,7 @@ from typing import Optional
 
 from .auth import MAC_SIZE, mac
 
-__all__ = ["NAME_PREFIX", "layout", "create", "locator", "attach", "close_fd"]
+__all__ = ["NAME_PREFIX", "layout", "create", "scope", "locator", "attach", "close_fd"]
 
 NAME_PREFIX = "tdist-tcp-"
 _MAGIC = b"TDSHM002"
@@ -67,8 +67,9 @@ def create(total: int, size: int, slot: int, nonce: bytes, key: bytes) -> tuple[
     return name, fd, mm
 
 
-def _scope() -> str:
-    """This process's shared-memory scope: a digest of the kernel's boot id and the IPC namespace."""
+def scope() -> str:
+    """This process's shared-memory scope (processes of one scope can share memory): a digest
+    of the kernel's boot id and the IPC namespace."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -83,18 +84,18 @@ def _scope() -> str:
 
 def locator(name: str, fd: int) -> str:
     """What rank 0 publishes for the others to find the segment: ``pid:fd:scope:name``."""
-    return f"{os.getpid()}:{fd}:{_scope()}:{name}"
+    return f"{os.getpid()}:{fd}:{scope()}:{name}"
 
 
 def attach(where: str, total: int, size: int, slot: int, nonce: bytes, key: bytes) -> Optional[mmap.mmap]:
     """Map the segment ``where`` (a :func:`locator`) if it is this group's, on this host,
     of the expected size and proved with ``key``; None otherwise."""
     try:
-        pid_text, fd_text, scope, name = where.split(":", 3)
+        pid_text, fd_text, their_scope, name = where.split(":", 3)
         path = f"/proc/{int(pid_text)}/fd/{int(fd_text)}"
     except ValueError:
         return None
-    if not _NAME.fullmatch(name) or scope != _scope():
+    if not _NAME.fullmatch(name) or their_scope != scope():
         return None
     try:  # another process, or another host's pid: the descriptor is not this memory file
         if os.readlink(path) != f"/memfd:{name} (deleted)":

@@ -140,20 +140,25 @@ def open_shm(
     transport: "Transport",
     nonce: bytes,
     key: bytes,
+    members: Optional[Sequence[int]] = None,
 ) -> Optional["ShmEngine"]:
     """Set up (or decline, on every rank alike) the group's shared segment.
 
-    Keys live under the group's connection nonce, so a re-created group never reads
-    a previous incarnation's. Every rank answers ``ok`` or not; the segment is used
-    only if all did; rank 0 holds its descriptor until then. Rank 0's buffer size and
-    one-step threshold (which decide the algorithms) are everybody's.
+    ``members``: the group ranks sharing the segment (one host's, for the hierarchical
+    collectives), ``rank`` and ``size`` then being this rank's index among them and their
+    number; None: the whole group. Keys live under the group's connection nonce (and the
+    first member), so a re-created group never reads a previous incarnation's. Every
+    member answers ``ok`` or not; the segment is used only if all did; member 0 holds its
+    descriptor until then. Member 0's buffer size and one-step threshold (which decide
+    the algorithms) are everybody's.
     """
     deadline = time.monotonic() + timeout
     want = shm_enabled(options)
+    ranks = list(members) if members is not None else list(range(size))
     slot = max(_ALIGN * size * 64, int(options.get("shm_slot_bytes", DEFAULT_SLOT_BYTES)))
     slot = (slot + 4095) // 4096 * 4096
     direct = min(int(options.get("shm_direct_bytes", DEFAULT_DIRECT_BYTES // size)), slot)
-    key_prefix = f"tcp/shm/{nonce.hex()}/"
+    key_prefix = f"tcp/shm/{nonce.hex()}/" if members is None else f"tcp/shm/{nonce.hex()}/{ranks[0]}/"
     where = ""
     fd = -1
     mm: Optional[mmap.mmap] = None
@@ -180,7 +185,7 @@ def open_shm(
         try:
             store.wait(keys, timeout=max(0.01, deadline - time.monotonic()))
         except DistStoreTimeoutError:
-            missing = [r for r in range(1, size) if not store.check([key_prefix + f"ok/{r}"])]
+            missing = [ranks[r] for r in range(1, size) if not store.check([key_prefix + f"ok/{r}"])]
             raise DistBackendTimeoutError(
                 f"tcp backend: rank {rank} timed out after {timeout:g} s setting up shared memory: "
                 f"ranks {missing} did not answer"
@@ -197,7 +202,7 @@ def open_shm(
         if mm is not None:
             mm.close()
         return None
-    return ShmEngine(mm, rank, size, slot, transport, options, direct)
+    return ShmEngine(mm, rank, size, slot, transport, options, direct, members)
 
 
 # ------------------------------------------------------------------------- engine
@@ -223,9 +228,13 @@ class ShmEngine:
         transport: "Transport",
         options: Mapping[str, Any],
         direct_bytes: Optional[int] = None,
+        ranks: Optional[Sequence[int]] = None,
     ) -> None:
         self.mm = mm
         self.r, self.p = rank, size
+        #: the group rank of each member (``rank``, ``size`` and the peers here count members);
+        #: ``ranks`` None: the whole group
+        self.ranks = list(ranks) if ranks is not None else list(range(size))
         self.S = slot
         self.tr = transport
         ctrl, data, _total = _layout(size, slot)
@@ -247,6 +256,13 @@ class ShmEngine:
         self.direct_bytes = min(direct_bytes, slot)  # must be the same on every rank
         self.block_bytes = max(4096, int(options.get("shm_block_bytes", DEFAULT_BLOCK_BYTES)))
         self._my_desc = [ctrl + rank * _CTRL + _DESC_AT, ctrl + rank * _CTRL + _DESC_AT + _DESC_STRIDE]
+        # A rank may post a collective's descriptor while a slower peer still checks the
+        # previous one, never the one before (that peer has stepped since): two slots, by
+        # collective parity. Every collective of the group steps here when the segment is the
+        # whole group's (the C part relies on seq & 1 then); a host's segment of a hierarchical
+        # group sees only some collectives, so it counts its own.
+        self._whole_group = ranks is None
+        self._last_seq, self._parity = -1, 0
         self._kernels: dict = {}
         self._last_kernel: tuple = (None, None, None)
         self._views: dict = {}
@@ -361,9 +377,20 @@ class ShmEngine:
             pass
 
     # ----------------------------------------------------------------- stepping
+    def _slot(self, seq: int) -> int:
+        """The descriptor slot of collective ``seq`` (see ``_whole_group``)."""
+        if self._whole_group:
+            return seq & 1
+        if seq != self._last_seq:
+            self._last_seq, self._parity = seq, self._parity ^ 1
+        return self._parity
+
     def _put_desc(self, c: "Coll", nbytes: int, root: int = 0) -> tuple:
         desc = (c.seq, nbytes, root, c.op, c.redop, c.dtype)
-        _DESC.pack_into(self.mm, self._my_desc[c.seq & 1], *desc)
+        at = self._my_desc[self._slot(c.seq)]
+        # one copy (not pack_into, which zeroes the bytes first): a collective's later phases
+        # post the same descriptor again while a peer may still be checking the first
+        self.mm[at : at + _DESC_STRIDE] = _DESC.pack(*desc)
         return desc
 
     def _step(self, c: "Coll", desc: Optional[tuple] = None) -> None:
@@ -415,16 +442,16 @@ class ShmEngine:
         tr = self.tr
         if tr.broken is not None:
             raise tr.broken
-        peer = tr.peers[q]
+        peer = tr.peers[self.ranks[q]]
         if peer is not None and peer.closed is not None:
             raise DistBackendError(peer.closed)
         if self.closed:
             raise DistBackendError(f"tcp backend: {tr.me}'s process group was destroyed")
         if time.monotonic() >= c.deadline:
-            raise tr.collective_timeout(c, q, via=" (shared memory)")
+            raise tr.collective_timeout(c, self.ranks[q], via=" (shared memory)")
 
     def _check(self, c: "Coll", desc: tuple) -> None:
-        parity = (c.seq & 1) * _DESC_STRIDE
+        parity = self._slot(c.seq) * _DESC_STRIDE
         for q in self._peers:
             theirs = _DESC.unpack_from(self.mm, self._ctrl_off + q * _CTRL + _DESC_AT + parity)
             if theirs == desc:
@@ -436,7 +463,7 @@ class ShmEngine:
                 what += f" (root {desc[2]})"
                 got += f" (root {root})"
             raise DistBackendError(
-                f"tcp backend: {self.tr.me} expected {what} from {self.tr.label(q)} but got {got} (the ranks "
+                f"tcp backend: {self.tr.me} expected {what} from {self.tr.label(self.ranks[q])} but got {got} (the ranks "
                 "called different collectives, or with different sizes, dtypes, roots or reduce ops)"
             )
 
@@ -453,7 +480,7 @@ class ShmEngine:
                         self._wait(c, q, ci, addr, k, spin=False)  # the C call has spun
                 outcome = fast.finish()
             if outcome == native.MISMATCH:
-                self._check(c, _DESC.unpack_from(self.mm, self._my_desc[c.seq & 1]))
+                self._check(c, _DESC.unpack_from(self.mm, self._my_desc[self._slot(c.seq)]))
         finally:
             if fast is not None:
                 fast.abandon()  # nothing pending any more, whatever happened
@@ -684,7 +711,8 @@ class ShmEngine:
                 if tables[q][d] != tables[d][p + q]:
                     raise DistBackendError(
                         f"tcp backend: {self.tr.me} in {describe(c.op, c.redop, c.seq, c.dtype, 0)}: "
-                        f"{self.tr.label(q)} sends {tables[q][d]} bytes to {self.tr.label(d)}, which expects "
+                        f"{self.tr.label(self.ranks[q])} sends {tables[q][d]} bytes to "
+                        f"{self.tr.label(self.ranks[d])}, which expects "
                         f"{tables[d][p + q]} (the ranks called all_to_all with different split sizes)"
                     )
         longest = max(max(t[:p]) for t in tables)
