@@ -34,7 +34,7 @@ HOST_ID_ENV = "TDIST_TCP_HOST_ID"
 RANKS_PER_HOST_ENV = "TDIST_TCP_RANKS_PER_HOST"
 HIERARCHY_ENV = "TDIST_TCP_HIERARCHY"
 _MODES = {
-    **dict.fromkeys(("auto",), "auto"),
+    "auto": "auto",
     **dict.fromkeys(("on", "1", "true", "yes"), "on"),
     **dict.fromkeys(("off", "0", "false", "no", "flat"), "off"),
 }
