@@ -13,6 +13,7 @@ destroys the group. The checks, on every rank:
   must send and receive for it: at least half the tensor);
 - ``all_gather`` of every rank's (rank, host name as a number tensor): which host each
   rank runs on, so the test can check that the ranks span the hosts;
+- broadcast, reduce, reduce_scatter, all_gather and an AVG all_reduce, small and large;
 - for the tcp backend, whether the group uses shared memory, and the hosts its
   hierarchical collectives see (shared memory within a host, never across hosts);
 - how long ``init_process_group`` took, and how many UDP sockets of this process are still
@@ -111,6 +112,38 @@ def main() -> int:
     return 0
 
 
+def other_collectives_ok(dist, rank: int, size: int) -> list[str]:
+    """broadcast, reduce, reduce_scatter, all_gather_into_tensor and an AVG all_reduce,
+    small and large (the tcp backend's hierarchical algorithms take both paths): the
+    names of those that gave a wrong result."""
+    import torch
+
+    wrong = []
+    for n in (5, 300001):
+        root = size - 1
+        t = torch.full((n,), float(rank))
+        dist.broadcast(t, src=root)
+        if not torch.all(t == root):
+            wrong.append(f"broadcast {n}")
+        t = torch.full((n,), float(rank + 1))
+        dist.reduce(t, dst=root)
+        if rank == root and not torch.all(t == size * (size + 1) / 2):
+            wrong.append(f"reduce {n}")
+        out = torch.empty(n)
+        dist.reduce_scatter_tensor(out, torch.arange(size, dtype=torch.float32).repeat_interleave(n) + rank)
+        if not torch.all(out == size * rank + size * (size - 1) / 2):
+            wrong.append(f"reduce_scatter_tensor {n}")
+        gathered = torch.empty(n * size)
+        dist.all_gather_into_tensor(gathered, torch.full((n,), float(rank)))
+        if not torch.equal(gathered, torch.arange(size, dtype=torch.float32).repeat_interleave(n)):
+            wrong.append(f"all_gather_into_tensor {n}")
+        t = torch.full((n,), float(rank))
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        if not torch.allclose(t, torch.full((n,), (size - 1) / 2)):
+            wrong.append(f"all_reduce AVG {n}")
+    return wrong
+
+
 def check(dist, backend: str, init_method, nbytes: int, **extra) -> None:
     """The all_reduce, all_gather and transport checks of the module's description."""
     import torch
@@ -133,6 +166,7 @@ def check(dist, backend: str, init_method, nbytes: int, **extra) -> None:
     names = [torch.zeros(64, dtype=torch.int64) for _ in range(size)]
     dist.all_gather(names, name)
     hosts = [bytes(int(c) for c in t.tolist() if c).decode() for t in names]
+    others_ok = other_collectives_ok(dist, rank, size)
 
     uses_shm = tcp_hosts = None
     if backend == "tcp":
@@ -148,6 +182,7 @@ def check(dist, backend: str, init_method, nbytes: int, **extra) -> None:
                 "host": host,
                 "hosts": hosts,
                 "reduced_ok": reduced_ok,
+                "others_ok": others_ok,
                 "rx": after[0] - before[0],
                 "tx": after[1] - before[1],
                 "uses_shm": uses_shm,

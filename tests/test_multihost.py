@@ -84,7 +84,7 @@ def check_job(cluster: Cluster, results: list[dict], world_size: int, backend: s
     per_host = world_size // len(cluster)
     expected_hosts = [h.hostname for h in cluster for _ in range(per_host)]
     for r in results:
-        assert r["reduced_ok"], r
+        assert r["reduced_ok"] and r["others_ok"] == [], r
         assert r["hosts"] == expected_hosts, r
         assert r["host"] == expected_hosts[r["rank"]], r
         assert r["rx"] >= SIZE // 2 and r["tx"] >= SIZE // 2, f"rank {r['rank']}: too little went over eth0: {r}"
