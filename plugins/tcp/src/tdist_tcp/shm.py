@@ -187,7 +187,7 @@ def open_shm(
         except DistStoreTimeoutError:
             missing = [ranks[r] for r in range(1, size) if not store.check([key_prefix + f"ok/{r}"])]
             raise DistBackendTimeoutError(
-                f"tcp backend: rank {rank} timed out after {timeout:g} s setting up shared memory: "
+                f"tcp backend: rank {ranks[rank]} timed out after {timeout:g} s setting up shared memory: "
                 f"ranks {missing} did not answer"
             ) from None
         verdict = bool(where) and all(store.get(k, timeout=1.0) == b"1" for k in keys)
