@@ -33,11 +33,13 @@ def mpirun_env(env: dict[str, str], session_dir: str) -> dict[str, str]:
     directory private to this run. Open MPI keeps its session directory under ``TMPDIR``,
     named after mpirun's pid, and leaves it behind when the job is killed; a later mpirun
     that gets the same pid then fails with "The PMIx server's listener thread failed to
-    start" (exit 213)."""
+    start" (exit 213). Its shared-memory transport's backing files go there too, not to
+    ``/dev/shm``, where every job would leave one behind."""
     return {
         **env,
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        "OMPI_MCA_btl_sm_backing_directory": session_dir,
         "TMPDIR": session_dir,
     }
