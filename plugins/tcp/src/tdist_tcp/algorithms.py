@@ -36,9 +36,12 @@ __all__ = [
     "SubColl",
     "Scratch",
     "segments",
+    "all_reduce",
     "all_reduce_small",
     "all_reduce_ring",
     "ring",
+    "reduce_scatter_ring",
+    "broadcast",
     "broadcast_tree",
     "broadcast_chain",
     "reduce_tree",
@@ -290,12 +293,30 @@ def ring(
             posted[s + 2] = post(s + 2)
 
 
+def reduce_scatter_ring(c: Coll, chunks: Sequence["torch.Tensor"], op: "Reduction", seg: int) -> None:
+    """Ring reduce-scatter: rank r's ``chunks[r]`` := the reduction of every rank's ``chunks[r]``
+    (the ring's order rotated so that each rank ends up holding its own chunk)."""
+    p = c.size
+    if p > 1:
+        ring(c, [chunks[(i - 1) % p] for i in range(p)], p - 1, p - 1, op, seg)
+
+
 def all_reduce_ring(c: Coll, flat: "torch.Tensor", op: "Reduction", seg: int) -> None:
     """Ring reduce-scatter then ring all-gather (2 (p - 1) pipelined steps)."""
     p, n = c.size, flat.numel()
     bounds = [(i * n) // p for i in range(p + 1)]
     chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(p)]
     ring(c, chunks, 2 * (p - 1), p - 1, op, seg)
+
+
+def all_reduce(c: Coll, flat: "torch.Tensor", op: "Reduction", small_bytes: int, seg_bytes: int) -> None:
+    """:func:`all_reduce_small` up to ``small_bytes`` (or for fewer elements than ranks),
+    else :func:`all_reduce_ring` pipelined in segments of ``seg_bytes``."""
+    es = flat.element_size()
+    if flat.numel() * es <= small_bytes or flat.numel() < c.size:
+        all_reduce_small(c, flat, op)
+    else:
+        all_reduce_ring(c, flat, op, max(1, seg_bytes // es))
 
 
 # ------------------------------------------------------------ rooted trees
@@ -344,6 +365,14 @@ def broadcast_chain(c: Coll, view: memoryview, root: int, seg_bytes: int) -> Non
         c.ack(prev)
     if ack is not None:
         c.wait(ack)
+
+
+def broadcast(c: Coll, view: memoryview, root: int, small_bytes: int, seg_bytes: int) -> None:
+    """:func:`broadcast_tree` up to ``small_bytes`` (or on 2 ranks), else :func:`broadcast_chain`."""
+    if len(view) > small_bytes and c.size > 2:
+        broadcast_chain(c, view, root, seg_bytes)
+    else:
+        broadcast_tree(c, view, root)
 
 
 def reduce_tree(c: Coll, flat: "torch.Tensor", root: int, op: "Reduction", seg: int) -> None:

@@ -166,7 +166,7 @@ class TcpBackend(Backend):
         self._segment_bytes = max(1, int(opts["segment_bytes"]))
         self._hier: Optional[Hierarchy] = None
         if layout is not None:
-            self._hier = Hierarchy(layout, rank, host_shm, self._ring_threshold, self._seg_elems)
+            self._hier = Hierarchy(layout, rank, host_shm, self._ring_threshold, self._segment_bytes)
         self._linger = float(opts["linger"])
         grace = float(opts["grace"])
         self._coll_lane = Lane(f"tdist-tcp-coll-r{rank}", grace, self._timeout_s)
@@ -409,11 +409,7 @@ class TcpBackend(Backend):
             elif self._hier is not None:
                 self._hier.broadcast(c, flat, src)
             elif self.size > 1:
-                view = byte_view(flat)
-                if len(view) > self._ring_threshold and self.size > 2:
-                    algo.broadcast_chain(c, view, src, self._segment_bytes)
-                else:
-                    algo.broadcast_tree(c, view, src)
+                algo.broadcast(c, byte_view(flat), src, self._ring_threshold, self._segment_bytes)
             if back is not None and self.rank != src:
                 back.copy_(flat.view(back.shape))
             return [tensor]
@@ -436,11 +432,7 @@ class TcpBackend(Backend):
                 _finalize(flat, op, self.size)
             else:
                 if self.size > 1:
-                    es = flat.element_size()
-                    if flat.numel() * es <= self._ring_threshold or flat.numel() < self.size:
-                        algo.all_reduce_small(c, flat, op)
-                    else:
-                        algo.all_reduce_ring(c, flat, op, self._seg_elems(es))
+                    algo.all_reduce(c, flat, op, self._ring_threshold, self._segment_bytes)
                 _finalize(flat, op, self.size)
             if back is not None:
                 back.copy_(flat.view(back.shape))
@@ -553,13 +545,9 @@ class TcpBackend(Backend):
     ) -> None:
         _prescale(work, op)
         chunks = list(work.split(sizes))
-        p = self.size
-        if p > 1:  # rotated so that rank r ends up holding chunk r
-            algo.ring(
-                c, [chunks[(i - 1) % p] for i in range(p)], p - 1, p - 1, op, self._seg_elems(work.element_size())
-            )
+        algo.reduce_scatter_ring(c, chunks, op, self._seg_elems(work.element_size()))
         result = chunks[self.rank]
-        _finalize(result, op, p)
+        _finalize(result, op, self.size)
         out, back = _output(output)
         algo.copy_serial(out, result)
         if back is not None:

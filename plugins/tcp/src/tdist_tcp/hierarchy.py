@@ -30,7 +30,7 @@ one socket phase only (:class:`~tdist_tcp.algorithms.SubColl`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from tdist.plugin import ReduceOp, Reduction
 
@@ -59,7 +59,7 @@ class Hierarchy:
 
     ``engine``: the shared segment of this rank's host (None when it is alone there);
     ``small_bytes``: up to this size the socket phases use the latency-bound algorithms;
-    ``seg_elems``: the pipelining unit (elements) for an element size.
+    ``seg_bytes``: their pipelining unit.
     """
 
     def __init__(
@@ -68,7 +68,7 @@ class Hierarchy:
         rank: int,
         engine: Optional["ShmEngine"],
         small_bytes: int,
-        seg_elems: Callable[[int], int],
+        seg_bytes: int,
     ) -> None:
         self.layout = layout
         self.rank = rank
@@ -77,7 +77,7 @@ class Hierarchy:
         self.l = self.local.index(rank)
         self.shm = engine
         self.small_bytes = small_bytes
-        self.seg_elems = seg_elems
+        self.seg_bytes = seg_bytes
         self.uniform = layout.uniform
         #: my counterparts on every host (uniform layouts only), host 0's first
         self.column = [m[self.l] for m in layout.hosts] if self.uniform else []
@@ -94,15 +94,13 @@ class Hierarchy:
     def _reps(self, root: int) -> list[int]:
         return [self._rep(h, root) for h in range(len(self.layout.hosts))]
 
+    def _seg_elems(self, t: "torch.Tensor") -> int:
+        return max(1, self.seg_bytes // t.element_size())
+
     def _between_hosts_all_reduce(
         self, c: algo.Coll, ranks: Sequence[int], flat: "torch.Tensor", op: Reduction
     ) -> None:
-        sub = algo.SubColl(c, ranks)
-        es = flat.element_size()
-        if flat.numel() * es <= self.small_bytes or flat.numel() < sub.size:
-            algo.all_reduce_small(sub, flat, op)
-        else:
-            algo.all_reduce_ring(sub, flat, op, self.seg_elems(es))
+        algo.all_reduce(algo.SubColl(c, ranks), flat, op, self.small_bytes, self.seg_bytes)
 
     # -------------------------------------------------------------- collectives
     def all_reduce(self, c: algo.Coll, flat: "torch.Tensor", op: Reduction) -> None:
@@ -140,12 +138,7 @@ class Hierarchy:
         reps = self._reps(src)
         if self.rank in reps:
             sub = algo.SubColl(c, reps)
-            root = self.layout.host_of(src)
-            view = byte_view(flat)
-            if len(view) > self.small_bytes and sub.size > 2:
-                algo.broadcast_chain(sub, view, root, self.seg_elems(1))
-            else:
-                algo.broadcast_tree(sub, view, root)
+            algo.broadcast(sub, byte_view(flat), self.layout.host_of(src), self.small_bytes, self.seg_bytes)
         if self.shm is not None:
             self.shm.broadcast(c, flat, self.local.index(self._rep(self.host, src)))
 
@@ -157,7 +150,7 @@ class Hierarchy:
             self.shm.all_reduce(c, flat, op, root=self.local.index(rep))
         if self.rank == rep:
             sub = algo.SubColl(c, self._reps(dst))
-            algo.reduce_tree(sub, flat, self.layout.host_of(dst), op, self.seg_elems(flat.element_size()))
+            algo.reduce_tree(sub, flat, self.layout.host_of(dst), op, self._seg_elems(flat))
 
     def all_gather(self, c: algo.Coll, blocks: Sequence["torch.Tensor"], src: "torch.Tensor") -> bool:
         """``blocks[q]`` := rank q's ``src`` (flat, equal sizes); False (nothing done) for a
@@ -168,7 +161,7 @@ class Hierarchy:
         mine = [blocks[m[self.l]] for m in hosts]  # my column's blocks, by host
         algo.copy_serial(mine[self.host], src)
         sub = algo.SubColl(c, self.column)
-        algo.ring(sub, mine, sub.size - 1, 0, None, self.seg_elems(src.element_size()))
+        algo.ring(sub, mine, sub.size - 1, 0, None, self._seg_elems(src))
         for members in hosts:  # host j's blocks, every local rank holding its column's
             self.shm.gather_blocks(c, blocks[members[self.l]], [blocks[q] for q in members], None)  # type: ignore[union-attr]
         return True
@@ -187,8 +180,5 @@ class Hierarchy:
         local_op = _SUM if op.op is ReduceOp.AVG else op  # PREMUL_SUM: prescaled there, once
         for j, members in enumerate(hosts):
             self.shm.reduce_scatter(c, rows[j], [ins[q] for q in members], local_op)  # type: ignore[union-attr]
-        sub = algo.SubColl(c, self.column)
-        p = sub.size
-        rotated = [rows[(i - 1) % p] for i in range(p)]  # so that member j ends up holding row j
-        algo.ring(sub, rotated, p - 1, p - 1, summing(op), self.seg_elems(out.element_size()))
+        algo.reduce_scatter_ring(algo.SubColl(c, self.column), rows, summing(op), self._seg_elems(out))
         return rows[self.host]
