@@ -314,3 +314,95 @@ def test_choose_host_order(monkeypatch):
     assert choose_host(wrapped, {}) == "10.1.2.3"
     monkeypatch.delenv(HOST_ENV)
     assert choose_host(wrapped, {"ifname": "lo"}) == "127.0.0.1"
+
+
+# ------------------------------------------------------- stashed frames
+def _transport_and_peer():
+    """A Transport of rank 0 in a group of 2, and the raw socket that plays rank 1."""
+    import socket
+
+    from tdist_tcp.transport import Transport
+
+    mine, theirs = socket.socketpair()
+    return Transport(0, 2, {1: mine}, 10.0), theirs
+
+
+def _wait_until(predicate, limit: float = 5.0) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_posting_a_receive_never_waits_for_a_frame_still_arriving():
+    """A collective frame that started arriving before its receive was posted (so the
+    reader stashes it) is claimed at once: the post returns while the rest of the frame
+    is still on its way (a rank starting its own sends late would otherwise idle its
+    link), and the receive completes with the whole payload once it is in."""
+    tr, peer = _transport_and_peer()
+    try:
+        payload = bytes(range(256)) * 4096  # 1 MiB
+        head = wire.pack_header(wire.COLL, 1, 2, 3, 7, 5, len(payload))
+        peer.sendall(head + payload[:1000])
+        _wait_until(lambda: len(tr.peers[1].coll_stash) == 1)
+        dest = bytearray(len(payload))
+        started = time.monotonic()
+        pr = tr.post_coll(1, memoryview(dest), 1, 2, 5, 3, 7)
+        assert time.monotonic() - started < 1.0
+        assert pr.done.locked(), "completed before the frame was in"
+        peer.sendall(payload[1000:])
+        tr.wait_coll(pr, time.monotonic() + 5)
+        assert bytes(dest) == payload
+    finally:
+        tr.close(0.0)
+        peer.close()
+
+
+def test_a_stashed_frame_that_mismatches_fails_at_once():
+    """The header of a stashed frame is checked when the receive is posted, before its
+    payload is in: a mismatch fails the group at once."""
+    tr, peer = _transport_and_peer()
+    try:
+        peer.sendall(wire.pack_header(wire.COLL, 1, 2, 3, 0, 5, 4096) + b"x" * 10)
+        _wait_until(lambda: len(tr.peers[1].coll_stash) == 1)
+        with pytest.raises(DistBackendError, match="expected .* but got"):
+            tr.post_coll(1, memoryview(bytearray(4096)), 1, 2, 6, 3)
+        assert tr.broken is not None
+    finally:
+        tr.close(0.0)
+        peer.close()
+
+
+def test_a_stashed_frame_cut_short_fails_its_receive():
+    """The peer's connection ends in the middle of a stashed frame: the receive that
+    claimed it fails with the reason instead of waiting out its deadline."""
+    tr, peer = _transport_and_peer()
+    try:
+        peer.sendall(wire.pack_header(wire.COLL, 1, 2, 3, 0, 5, 4096) + b"x" * 10)
+        _wait_until(lambda: len(tr.peers[1].coll_stash) == 1)
+        pr = tr.post_coll(1, memoryview(bytearray(4096)), 1, 2, 5, 3)
+        peer.close()
+        with pytest.raises(DistBackendError, match="lost its connection to rank 1"):
+            tr.wait_coll(pr, time.monotonic() + 5)
+    finally:
+        tr.close(0.0)
+
+
+def test_p2p_receive_of_a_message_still_arriving_returns_at_once():
+    """irecv of a message whose first bytes are stashed returns immediately; its callback
+    runs (with the sender named) once the whole message is in."""
+    tr, peer = _transport_and_peer()
+    try:
+        payload = b"p" * 200_000
+        peer.sendall(wire.pack_header(wire.P2P, 0, 0, 3, 9, 1, len(payload)) + payload[:100])
+        _wait_until(lambda: len(tr.peers[1].p2p_stash) == 1)
+        dest = bytearray(len(payload))
+        landed = threading.Event()
+        pr = tr.post_p2p(None, 9, 3, memoryview(dest), lambda _pr: landed.set())
+        assert not landed.is_set()
+        peer.sendall(payload[100:])
+        assert landed.wait(5)
+        assert pr.error is None and pr.source == 1 and bytes(dest) == payload
+    finally:
+        tr.close(0.0)
+        peer.close()

@@ -142,10 +142,7 @@ class Coll:
 
     def irecv(self, src: int, dest: memoryview, part: int = 0) -> PostedRecv:
         """Post the receive of frame ``part`` (step << 32 | segment) of this collective from ``src``."""
-        try:
-            return self.tr.post_coll(src, dest, self.op, self.redop, self.seq, self.dtype, self.deadline, part)
-        except FrameTimeout as exc:
-            raise self._timeout(exc) from None
+        return self.tr.post_coll(src, dest, self.op, self.redop, self.seq, self.dtype, part)
 
     def wait(self, pr: PostedRecv) -> None:
         try:
@@ -162,10 +159,7 @@ class Coll:
         )
 
     def irecv_ack(self, src: int) -> PostedRecv:
-        try:
-            return self.tr.post_coll(src, _EMPTY, OP_ACK, 0, self.seq, 0, self.deadline)
-        except FrameTimeout as exc:
-            raise self._timeout(exc) from None
+        return self.tr.post_coll(src, _EMPTY, OP_ACK, 0, self.seq, 0)
 
     def ack(self, dst: int) -> None:
         self.tr.send(dst, pack_header(COLL, OP_ACK, 0, 0, 0, self.seq, 0), _EMPTY, self)

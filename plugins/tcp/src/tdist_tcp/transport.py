@@ -3,7 +3,9 @@
 A reader thread reads each frame's header and hands the payload to the receive
 posted for it, reading straight into the destination tensor (zero copy); a frame
 nobody waits for yet goes into a freshly allocated buffer in that peer's stash,
-from which the next matching receive copies it.
+from which the next matching receive copies it once it is complete. Posting a receive
+never waits for a stashed frame still arriving (a rank that starts a collective late
+must start its own sends at once, or its link idles while its peer's data comes in).
 
 - Collective frames from one peer are matched FIFO and their header (operation,
   reduce op, sequence number, dtype, size) must be what the receiver expects; a
@@ -104,9 +106,25 @@ class PostedRecv:
 
 
 class _Stashed:
-    """A frame that arrived before its receive was posted (``ready`` once fully read)."""
+    """A frame that arrived before its receive was posted. The receive that claims it
+    gets its data through :meth:`deliver_to` as soon as the frame is fully read, without
+    waiting for the rest of it to arrive (the reader thread delivers what is still coming)."""
 
-    __slots__ = ("op", "redop", "seq", "dtype", "tag", "nbytes", "shape", "data", "ready", "error", "arrival")
+    __slots__ = (
+        "op",
+        "redop",
+        "seq",
+        "dtype",
+        "tag",
+        "nbytes",
+        "shape",
+        "data",
+        "error",
+        "arrival",
+        "_guard",
+        "_complete",
+        "_then",
+    )
 
     def __init__(
         self, op: int, redop: int, seq: int, dtype: int, tag: int, nbytes: int, shape: tuple, arrival: int
@@ -115,14 +133,28 @@ class _Stashed:
         self.nbytes = nbytes
         self.shape = shape
         self.data: Any = np.empty(nbytes, dtype=np.uint8)  # a buffer (numpy's stubs do not say so)
-        self.ready = threading.Lock()
-        self.ready.acquire()
         self.error: Optional[BaseException] = None
         self.arrival = arrival
+        self._guard = threading.Lock()
+        self._complete = False
+        self._then: Optional[Callable[[Optional[BaseException]], None]] = None
 
     def finish(self, error: Optional[BaseException] = None) -> None:
-        self.error = error
-        self.ready.release()
+        """The frame is fully read (or never will be: ``error``); called by its reader."""
+        with self._guard:
+            self.error = error
+            self._complete = True
+            then, self._then = self._then, None
+        if then is not None:
+            then(error)
+
+    def deliver_to(self, then: Callable[[Optional[BaseException]], None]) -> None:
+        """Call ``then(error)`` once the frame is complete: now if it is, else from the reader."""
+        with self._guard:
+            if not self._complete:
+                self._then = then
+                return
+        then(self.error)
 
 
 class _Peer:
@@ -325,7 +357,7 @@ class Transport:
 
     # ------------------------------------------------------------ collectives
     def post_coll(
-        self, src: int, dest: memoryview, op: int, redop: int, seq: int, dtype: int, deadline: float, part: int = 0
+        self, src: int, dest: memoryview, op: int, redop: int, seq: int, dtype: int, part: int = 0
     ) -> PostedRecv:
         """Post the receive of the next collective frame from ``src`` into ``dest``; the
         frame must be ``part`` (the algorithm's step/segment number) of that collective."""
@@ -342,7 +374,6 @@ class Transport:
             else:
                 peer.coll_posted.append(pr)
                 return pr
-        self._take_stashed(pr, stashed, peer, deadline)
         if (
             stashed.op != op
             or stashed.redop != redop
@@ -356,17 +387,16 @@ class Transport:
             )
             self.fail(err)
             raise err
-        if pr.nbytes:
-            dest[:] = stashed.data
-        pr.done.release()
-        return pr
 
-    def _take_stashed(self, pr: PostedRecv, stashed: _Stashed, peer: _Peer, deadline: float) -> None:
-        """Wait until a stashed frame is fully read (it usually is); :class:`FrameTimeout` if not in time."""
-        if not stashed.ready.acquire(True, max(0.0, deadline - time.monotonic())):
-            raise FrameTimeout(peer.rank, stashed.op, stashed.nbytes, stashed.tag)
-        if stashed.error is not None:
-            raise stashed.error
+        def land(error: Optional[BaseException]) -> None:
+            if error is None and self.broken is not None:
+                error = self.broken
+            if error is None and pr.nbytes:
+                dest[:] = stashed.data
+            pr.finish(error)
+
+        stashed.deliver_to(land)  # posting never waits for a frame still arriving
+        return pr
 
     def wait_coll(self, pr: PostedRecv, deadline: float) -> None:
         """Wait for a posted collective receive; raise its error, or :class:`FrameTimeout`."""
@@ -479,29 +509,17 @@ class Transport:
                 return pr
             found[0].p2p_stash.remove(found[1])
         peer, stashed = found
-        deadline = time.monotonic() + self.timeout
-        try:
-            self._take_stashed(pr, stashed, peer, deadline)
-        except DistBackendError as exc:
-            pr.finish(exc)
-            return pr
-        except FrameTimeout as exc:
-            pr.finish(
-                _timeout_error(
-                    f"tcp backend: {self.me} timed out after {self.timeout:g} s receiving "
-                    f"a p2p message (tag {pr.tag}) from {peer.label}: {exc.frame} stopped "
-                    "arriving",
-                    [peer.rank],
-                )
-            )
-            return pr
         pr.source = peer.rank
         if stashed.dtype != dtype or stashed.nbytes != pr.nbytes:
             pr.finish(self._p2p_mismatch(pr, peer, stashed.dtype, stashed.nbytes, stashed.shape))
             return pr
-        if pr.nbytes:
-            dest[:] = stashed.data
-        pr.finish()
+
+        def land(error: Optional[BaseException]) -> None:
+            if error is None and pr.nbytes:
+                dest[:] = stashed.data
+            pr.finish(error)
+
+        stashed.deliver_to(land)
         return pr
 
     def cancel_p2p(self, pr: PostedRecv) -> bool:
