@@ -21,7 +21,7 @@ def _mesh_socket_type() -> str:
     pg = resolve_group(None)
     backend = next(iter(pg.backends.values()))
     peer = backend._tr.peers[1 - dist.get_rank()]
-    return type(peer.sock).__name__
+    return type(peer.links[0].sock).__name__
 
 
 def run() -> None:

@@ -29,25 +29,37 @@ def _tcp_threads() -> set:
     return {t for t in threading.enumerate() if t.name.startswith("tdist-tcp")}
 
 
-@pytest.mark.parametrize("world,unix", [(1, True), (2, True), (3, True), (4, True), (5, True), (3, False)])
-def test_collectives_and_p2p(world, unix):
+@pytest.mark.parametrize(
+    "world,unix,streams",
+    [(1, True, 1), (2, True, 1), (3, True, 1), (4, True, 1), (5, True, 1), (3, False, 1), (3, False, 3), (4, True, 2)],
+)
+def test_collectives_and_p2p(world, unix, streams):
+    """The suites over Unix-domain sockets or TCP; with ``streams``, every TCP pair uses
+    that many connections (a Unix-domain pair always one)."""
+
     def body(b, rank):
-        kinds = {p.sock.family.name for p in b._tr.peers if p is not None}
+        peers = [p for p in b._tr.peers if p is not None]
+        kinds = {link.sock.family.name for p in peers for link in p.links}
         fails = [] if world == 1 or kinds == {"AF_UNIX" if unix else "AF_INET"} else [f"connections {kinds}"]
+        links = {len(p.links) for p in peers}
+        if world > 1 and links != {1 if unix else streams}:
+            fails.append(f"links per peer {links}")
         fails += J.all_reduce_suite(b, rank) + J.collectives_suite(b, rank)
         return fails + (J.p2p_suite(b, rank) if world > 1 else [])
 
-    assert run_threads(world, body, options={"unix": unix}, timeout=80) == [[]] * world
+    options = {"unix": unix, "streams": streams}
+    assert run_threads(world, body, options=options, timeout=80) == [[]] * world
 
 
-@pytest.mark.parametrize("world", [2, 3, 5])
-def test_segmented_ring_chain_and_tree(world):
-    """Tiny thresholds: every large-message path with many segments per step."""
+@pytest.mark.parametrize("world,streams", [(2, 1), (3, 1), (5, 1), (3, 3), (4, 2)])
+def test_segmented_ring_chain_and_tree(world, streams):
+    """Tiny thresholds: every large-message path with many segments per step (with
+    ``streams``, the segments of each step spread over several TCP connections)."""
 
     def body(b, rank):
         return J.all_reduce_suite(b, rank, sizes=(203,)) + J.collectives_suite(b, rank, n=101)
 
-    options = {"ring_threshold": 64, "segment_bytes": 96}
+    options = {"ring_threshold": 64, "segment_bytes": 96, "streams": streams, "unix": streams == 1}
     assert run_threads(world, body, options=options, timeout=80) == [[]] * world
 
 

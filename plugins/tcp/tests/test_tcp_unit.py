@@ -344,7 +344,7 @@ def test_posting_a_receive_never_waits_for_a_frame_still_arriving():
         payload = bytes(range(256)) * 4096  # 1 MiB
         head = wire.pack_header(wire.COLL, 1, 2, 3, 7, 5, len(payload))
         peer.sendall(head + payload[:1000])
-        _wait_until(lambda: len(tr.peers[1].coll_stash) == 1)
+        _wait_until(lambda: len(tr.peers[1].links[0].coll_stash) == 1)
         dest = bytearray(len(payload))
         started = time.monotonic()
         pr = tr.post_coll(1, memoryview(dest), 1, 2, 5, 3, 7)
@@ -364,7 +364,7 @@ def test_a_stashed_frame_that_mismatches_fails_at_once():
     tr, peer = _transport_and_peer()
     try:
         peer.sendall(wire.pack_header(wire.COLL, 1, 2, 3, 0, 5, 4096) + b"x" * 10)
-        _wait_until(lambda: len(tr.peers[1].coll_stash) == 1)
+        _wait_until(lambda: len(tr.peers[1].links[0].coll_stash) == 1)
         with pytest.raises(DistBackendError, match="expected .* but got"):
             tr.post_coll(1, memoryview(bytearray(4096)), 1, 2, 6, 3)
         assert tr.broken is not None
@@ -379,7 +379,7 @@ def test_a_stashed_frame_cut_short_fails_its_receive():
     tr, peer = _transport_and_peer()
     try:
         peer.sendall(wire.pack_header(wire.COLL, 1, 2, 3, 0, 5, 4096) + b"x" * 10)
-        _wait_until(lambda: len(tr.peers[1].coll_stash) == 1)
+        _wait_until(lambda: len(tr.peers[1].links[0].coll_stash) == 1)
         pr = tr.post_coll(1, memoryview(bytearray(4096)), 1, 2, 5, 3)
         peer.close()
         with pytest.raises(DistBackendError, match="lost its connection to rank 1"):
@@ -406,3 +406,68 @@ def test_p2p_receive_of_a_message_still_arriving_returns_at_once():
     finally:
         tr.close(0.0)
         peer.close()
+
+
+# ------------------------------------------------------------------ streams
+def test_stream_count_from_option_or_environment(monkeypatch):
+    from tdist_tcp.mesh import STREAMS_ENV, stream_count
+
+    monkeypatch.delenv(STREAMS_ENV, raising=False)
+    assert stream_count({}) == 1
+    assert stream_count({"streams": "4"}) == 4
+    monkeypatch.setenv(STREAMS_ENV, "3")
+    assert stream_count({}) == 3
+    assert stream_count({"streams": 2}) == 2  # the option wins
+    for bad in (0, -1, 65, "two"):
+        with pytest.raises(ValueError, match="streams must be a whole number from 1 to 64"):
+            stream_count({"streams": bad})
+
+
+def test_hello_names_the_stream_and_refuses_impossible_ones():
+    from tdist_tcp.auth import MAX_STREAMS, make_hello, parse_hello
+
+    nonce = b"n" * 16
+    hello = parse_hello(make_hello(nonce, 1, 4, True, 2, 3), nonce, 4)
+    assert hello is not None and (hello.rank, hello.stream, hello.streams) == (1, 2, 3)
+    assert parse_hello(make_hello(nonce, 1, 4, False), nonce, 4).streams == 1  # type: ignore[union-attr]
+    assert parse_hello(make_hello(nonce, 1, 4, True, 3, 3), nonce, 4) is None
+    assert parse_hello(make_hello(nonce, 1, 4, True, 0, MAX_STREAMS + 1), nonce, 4) is None
+
+
+def test_segments_take_turns_on_the_links_of_a_pair():
+    """With two links to a peer, segment k of a collective travels on link k % 2 both
+    ways: frames on one link complete their receives while the other link is silent,
+    and a link that ends without a goodbye breaks the group naming the peer."""
+    import socket
+
+    from tdist_tcp.transport import Transport
+
+    pairs = [socket.socketpair() for _ in range(2)]
+    tr = Transport(0, 2, {1: [mine for mine, _ in pairs]}, 10.0)
+    theirs = [peer for _, peer in pairs]
+    try:
+        dests = [bytearray(4) for _ in range(4)]
+        prs = [tr.post_coll(1, memoryview(d), 1, 2, 5, 3, k) for k, d in enumerate(dests)]
+        for k in (1, 3):  # link 1 only
+            theirs[1].sendall(wire.pack_header(wire.COLL, 1, 2, 3, k, 5, 4) + bytes([k]) * 4)
+        for k in (1, 3):
+            tr.wait_coll(prs[k], time.monotonic() + 5)
+        assert prs[0].done.locked() and prs[2].done.locked()
+        for k in (0, 2):
+            theirs[0].sendall(wire.pack_header(wire.COLL, 1, 2, 3, k, 5, 4) + bytes([k]) * 4)
+        for k in (0, 2):
+            tr.wait_coll(prs[k], time.monotonic() + 5)
+        assert [bytes(d) for d in dests] == [bytes([k]) * 4 for k in range(4)]
+
+        header = wire.pack_header(wire.COLL, 1, 2, 3, 7, 5, 4)
+        tr.send(1, header, memoryview(b"abcd"), part=7)  # segment 7: link 1
+        theirs[1].settimeout(5)
+        assert theirs[1].recv(64) == header + b"abcd"
+
+        theirs[1].close()
+        _wait_until(lambda: tr.broken is not None)
+        assert "lost its connection to rank 1" in str(tr.broken)
+    finally:
+        tr.close(0.0)
+        for sock in theirs:
+            sock.close()

@@ -155,7 +155,7 @@ class Coll:
 
     def send(self, dst: int, payload: memoryview, part: int = 0) -> None:
         self.tr.send(
-            dst, pack_header(COLL, self.op, self.redop, self.dtype, part, self.seq, len(payload)), payload, self
+            dst, pack_header(COLL, self.op, self.redop, self.dtype, part, self.seq, len(payload)), payload, self, part
         )
 
     def irecv_ack(self, src: int) -> PostedRecv:

@@ -9,7 +9,8 @@ created, so every group, and every re-creation of one, has its own key.
 Handshake on every connection (TCP and Unix-domain alike), connector C to acceptor A:
 
 1. C -> A: ``HELLO`` (magic, protocol version, group nonce, C's rank, world size,
-   flags, 16 fresh random bytes ``nc``);
+   flags — the token bit, and which of how many parallel streams of the pair this
+   connection is —, 16 fresh random bytes ``nc``);
 2. A -> C: A's ``HELLO`` (with its own fresh ``na``) and
    ``HMAC(group key, "A" || hello_C || hello_A)``;
 3. C -> A: ``HMAC(group key, "C" || hello_C || hello_A)``;
@@ -39,6 +40,7 @@ __all__ = [
     "ACCEPTED",
     "REFUSED",
     "FLAG_TOKEN",
+    "MAX_STREAMS",
     "group_key",
     "mac",
     "make_hello",
@@ -51,6 +53,9 @@ MAC_SIZE = 32
 ACCEPTED, REFUSED = b"\x01", b"\x00"
 #: set in a HELLO's flags by a rank that holds a token (only used to explain a refusal)
 FLAG_TOKEN = 1
+#: the most connections (streams) one pair of ranks may use
+MAX_STREAMS = 64
+_STREAM_SHIFT, _STREAMS_SHIFT = 8, 16
 
 _GROUP_LABEL = b"tdist-tcp group key v2\0"
 
@@ -61,6 +66,8 @@ class Hello(NamedTuple):
     size: int
     flags: int
     conn_nonce: bytes
+    stream: int = 0  # this connection's index among the pair's streams
+    streams: int = 1  # how many connections the pair uses
 
 
 def group_key(secret: bytes, group_nonce: bytes) -> bytes:
@@ -68,10 +75,10 @@ def group_key(secret: bytes, group_nonce: bytes) -> bytes:
     return hmac.new(secret, _GROUP_LABEL + group_nonce, hashlib.sha256).digest()
 
 
-def make_hello(group_nonce: bytes, rank: int, size: int, has_token: bool) -> bytes:
-    return HELLO.pack(
-        HELLO_MAGIC, PROTOCOL_VERSION, group_nonce, rank, size, FLAG_TOKEN if has_token else 0, os.urandom(16)
-    )
+def make_hello(group_nonce: bytes, rank: int, size: int, has_token: bool, stream: int = 0, streams: int = 1) -> bytes:
+    """The HELLO of connection ``stream`` of the ``streams`` a connector opens to one peer."""
+    flags = (FLAG_TOKEN if has_token else 0) | stream << _STREAM_SHIFT | streams << _STREAMS_SHIFT
+    return HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, group_nonce, rank, size, flags, os.urandom(16))
 
 
 def parse_hello(data: bytes, group_nonce: bytes, size: int) -> Optional[Hello]:
@@ -87,7 +94,10 @@ def parse_hello(data: bytes, group_nonce: bytes, size: int) -> Optional[Hello]:
         or not 0 <= rank < size
     ):
         return None
-    return Hello(nonce, rank, their_size, flags, conn_nonce)
+    stream, streams = flags >> _STREAM_SHIFT & 0xFF, flags >> _STREAMS_SHIFT & 0xFF
+    if not 0 <= stream < streams <= MAX_STREAMS:
+        return None
+    return Hello(nonce, rank, their_size, flags, conn_nonce, stream, streams)
 
 
 def mac(key: bytes, role: bytes, *parts: bytes) -> bytes:

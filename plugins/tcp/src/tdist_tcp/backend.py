@@ -11,7 +11,8 @@ Options (``init_process_group(..., pg_options=...)`` or ``new_group``; the same 
 every rank): ``host`` (address to listen on and publish; else ``$TDIST_TCP_HOST``),
 ``ifname`` (take the address of this interface; else ``$TDIST_TCP_IFNAME``),
 ``port`` (default: any free port), ``socket_buffer`` (SO_SNDBUF/SO_RCVBUF bytes,
-default 4 MiB), ``unix`` (reach peers on the same host over a Unix-domain socket,
+default 4 MiB), ``streams`` (TCP connections per pair of ranks, default 1; else
+``$TDIST_TCP_STREAMS``: a collective's segments take turns on them), ``unix`` (reach peers on the same host over a Unix-domain socket,
 default True; ``$TDIST_TCP_UNIX=0`` disables), ``shm`` (collectives through shared
 memory when every rank of the group is on this host, default True; ``$TDIST_TCP_SHM=0``
 disables; see :mod:`tdist_tcp.shm`), ``shm_slot_bytes`` (each of a rank's two buffers in

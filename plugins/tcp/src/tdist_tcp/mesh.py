@@ -1,5 +1,7 @@
 """Connection setup: every rank listens, publishes ``tcp/addr/<rank>`` in the group's
-store, then rank i connects to every rank j < i and accepts every rank j > i.
+store, then rank i connects to every rank j < i and accepts every rank j > i. Over TCP
+a pair may use several connections (``streams``, chosen by the connecting rank, each
+handshaken on its own); a Unix-domain pair uses one.
 
 Every connection (TCP or Unix-domain) is mutually authenticated before it carries a
 frame: both ends prove they know the group's key (see :mod:`tdist_tcp.auth`), over
@@ -32,13 +34,34 @@ from tdist.plugin import (
 )
 
 from . import tls as _tls
-from .auth import ACCEPTED, HELLO, MAC_SIZE, REFUSED, group_key, mac, make_hello, parse_hello, token_mismatch_hint
+from .auth import (
+    ACCEPTED,
+    HELLO,
+    MAC_SIZE,
+    MAX_STREAMS,
+    REFUSED,
+    group_key,
+    mac,
+    make_hello,
+    parse_hello,
+    token_mismatch_hint,
+)
 
-__all__ = ["choose_host", "configure_socket", "connect_mesh", "Mesh", "HOST_ENV", "IFNAME_ENV"]
+__all__ = [
+    "choose_host",
+    "configure_socket",
+    "connect_mesh",
+    "stream_count",
+    "Mesh",
+    "HOST_ENV",
+    "IFNAME_ENV",
+    "STREAMS_ENV",
+]
 
 HOST_ENV = "TDIST_TCP_HOST"
 IFNAME_ENV = "TDIST_TCP_IFNAME"
 UNIX_ENV = "TDIST_TCP_UNIX"
+STREAMS_ENV = "TDIST_TCP_STREAMS"
 ADDR_KEY = "tcp/addr/{}"
 UNIX_KEY = "tcp/unix/{}"
 _AF_UNIX = getattr(socket, "AF_UNIX", -1)
@@ -114,7 +137,7 @@ class _AuthFailed(Exception):
 class _Pending:
     """An accepted connection still in its handshake: reading ``want`` bytes into ``buf``."""
 
-    __slots__ = ("sock", "buf", "want", "limit", "hello_c", "hello_a", "peer", "flags", "tls")
+    __slots__ = ("sock", "buf", "want", "limit", "hello_c", "hello_a", "peer", "flags", "tls", "stream", "streams")
 
     def __init__(self, sock: socket.socket, limit: float) -> None:
         self.sock = sock
@@ -125,6 +148,8 @@ class _Pending:
         self.hello_a = b""
         self.peer = -1
         self.flags = 0
+        self.stream = 0
+        self.streams = 1
         self.tls = 0  # 1: TLS expected, its first byte not seen yet; 2: TLS handshake running; 3: TLS up
 
 
@@ -157,7 +182,9 @@ class _Acceptor(threading.Thread):
         self.key = key
         self.has_token = has_token
         self.deadline = deadline
-        self.accepted: dict[int, socket.socket] = {}
+        #: each higher rank's connections, by stream index
+        self.accepted: dict[int, dict[int, socket.socket]] = {}
+        self._streams: dict[int, int] = {}  # how many streams each connecting rank announced
         self.refused = 0
         self.refusals: list[str] = []  # why connections that claimed a wanted rank were refused
         self.error: Optional[BaseException] = None
@@ -172,7 +199,7 @@ class _Acceptor(threading.Thread):
             for listener in self.listeners:
                 listener.setblocking(False)
                 sel.register(listener, selectors.EVENT_READ)
-            while self._wanted - set(self.accepted) and not self.stop.is_set() and time.monotonic() < self.deadline:
+            while self._wanted - set(self.complete()) and not self.stop.is_set() and time.monotonic() < self.deadline:
                 for key, _ in sel.select(timeout=0.05):
                     sock = key.fileobj
                     if sock in self.listeners:
@@ -188,6 +215,14 @@ class _Acceptor(threading.Thread):
             for p in list(self._pending.values()):
                 self._drop(p, None)
             sel.close()
+
+    def complete(self) -> dict[int, list[socket.socket]]:
+        """The ranks whose every stream is connected: their sockets, stream 0 first."""
+        return {
+            q: [conns[i] for i in range(len(conns))]
+            for q, conns in self.accepted.items()
+            if len(conns) == self._streams.get(q, 0)
+        }
 
     def _accept(self, listener: socket.socket) -> None:
         try:
@@ -285,10 +320,14 @@ class _Acceptor(threading.Thread):
                 "variables or tls_* options differ)",
             )
             return
-        if hello is None or hello.rank not in self._wanted or hello.rank in self.accepted:
+        if hello is None or hello.rank not in self._wanted:
             self._drop(p, None)
             return
+        if self._streams.get(hello.rank, hello.streams) != hello.streams:
+            self._refuse(p, f"rank {hello.rank} announced {hello.streams} streams after {self._streams[hello.rank]}")
+            return
         p.hello_c, p.peer, p.flags = bytes(p.buf), hello.rank, hello.flags
+        p.stream, p.streams = hello.stream, hello.streams
         p.hello_a = make_hello(self.nonce, self.rank, self.size, self.has_token)
         reply = p.hello_a + mac(self.key, b"A", p.hello_c, p.hello_a)
         try:
@@ -303,20 +342,24 @@ class _Acceptor(threading.Thread):
     def _on_proof(self, p: _Pending) -> None:
         """Step 4: check the connector's proof; accept it or tell it that it was refused."""
         expected = mac(self.key, b"C", p.hello_c, p.hello_a)
-        good = hmac.compare_digest(bytes(p.buf), expected) and p.peer not in self.accepted
+        good = hmac.compare_digest(bytes(p.buf), expected)
         try:
             p.sock.send(ACCEPTED if good else REFUSED)
         except OSError:
             good = False
         if not good:
-            why = "its proof of the token is wrong" if p.peer not in self.accepted else "that rank is connected"
-            self._drop(p, f"{why} ({token_mismatch_hint(self.has_token, p.flags)})")
+            self._drop(p, f"its proof of the token is wrong ({token_mismatch_hint(self.has_token, p.flags)})")
             return
         self._pending.pop(p.sock)
         self._sel.unregister(p.sock)
         p.sock.setblocking(True)
         configure_socket(p.sock, 0)
-        self.accepted[p.peer] = _tls.TlsStream(p.sock) if p.tls else p.sock  # type: ignore
+        self._streams[p.peer] = p.streams
+        conns = self.accepted.setdefault(p.peer, {})
+        old = conns.get(p.stream)
+        if old is not None:  # the rank retried (a later stream of its first try failed): the new one counts
+            old.close()
+        conns[p.stream] = _tls.TlsStream(p.sock) if p.tls else p.sock  # type: ignore
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -330,12 +373,21 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _handshake(
-    sock: socket.socket, nonce: bytes, key: bytes, has_token: bool, rank: int, size: int, peer: int, deadline: float
+    sock: socket.socket,
+    nonce: bytes,
+    key: bytes,
+    has_token: bool,
+    rank: int,
+    size: int,
+    peer: int,
+    deadline: float,
+    stream: int = 0,
+    streams: int = 1,
 ) -> bool:
-    """Run the connector's side of the handshake with ``peer``: True once it accepted us,
-    False if the other end is not ``peer`` of this group (retry later); raises
-    :class:`_AuthFailed` if either side's proof fails."""
-    hello_c = make_hello(nonce, rank, size, has_token)
+    """Run the connector's side of the handshake with ``peer`` (for connection ``stream``
+    of ``streams``): True once it accepted us, False if the other end is not ``peer`` of
+    this group (retry later); raises :class:`_AuthFailed` if either side's proof fails."""
+    hello_c = make_hello(nonce, rank, size, has_token, stream, streams)
     sock.settimeout(max(0.05, min(HANDSHAKE_LIMIT, deadline - time.monotonic())))
     sock.sendall(hello_c)
     reply = _recv_exact(sock, HELLO.size + MAC_SIZE)
@@ -410,11 +462,13 @@ def _connect_one(
     buffer_bytes: int,
     use_unix: bool,
     tls: Optional[_tls.MeshTls] = None,
-) -> socket.socket:
+    streams: int = 1,
+) -> list[socket.socket]:
     """Connect to lower rank ``peer`` and handshake, retrying (re-reading the store, so a
     stale address or nonce is replaced by the fresh one) until ``deadline``. Same-host
-    peers are reached through a Unix-domain socket when possible (several times TCP
-    loopback's bandwidth), others through TCP. A failed authentication raises at once."""
+    peers are reached through one Unix-domain socket when possible (several times TCP
+    loopback's bandwidth), others through ``streams`` TCP connections. A failed
+    authentication raises at once."""
     last: Optional[str] = None
     addr = "?"
     while True:
@@ -424,7 +478,7 @@ def _connect_one(
                 f"tcp backend: rank {rank} could not connect to rank {peer} at {addr} within the timeout: {last} "
                 f"(if that address is wrong, set options['host'], ${HOST_ENV} or ${IFNAME_ENV} on rank {peer})"
             )
-        sock: Optional[socket.socket] = None
+        opened: list[socket.socket] = []
         try:
             auth = _group_auth(store, secret, remaining)
             raw = store.get(ADDR_KEY.format(peer), timeout=max(0.01, deadline - time.monotonic()))
@@ -433,28 +487,34 @@ def _connect_one(
             if use_unix:
                 unix = _connect_unix(store, peer, rank, size, auth, deadline, buffer_bytes)
                 if unix is not None:
-                    return unix
+                    return [unix]
             family, socktype, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-            sock = socket.socket(family, socktype, proto)
-            configure_socket(sock, buffer_bytes)
-            sock.settimeout(max(0.05, min(HANDSHAKE_LIMIT, deadline - time.monotonic())))
-            sock.connect(sockaddr)
-            if tls is not None:
-                sock = tls.connect(sock, host, max(0.05, min(HANDSHAKE_LIMIT, deadline - time.monotonic())))
-            if _handshake(sock, auth.nonce, auth.key, auth.has_token, rank, size, peer, deadline):
-                return _tls.TlsStream(sock) if tls is not None else sock  # type: ignore
+            for stream in range(streams):
+                sock = socket.socket(family, socktype, proto)
+                opened.append(sock)
+                configure_socket(sock, buffer_bytes)
+                sock.settimeout(max(0.05, min(HANDSHAKE_LIMIT, deadline - time.monotonic())))
+                sock.connect(sockaddr)
+                if tls is not None:
+                    sock = opened[-1] = tls.connect(
+                        sock, host, max(0.05, min(HANDSHAKE_LIMIT, deadline - time.monotonic()))
+                    )
+                if not _handshake(
+                    sock, auth.nonce, auth.key, auth.has_token, rank, size, peer, deadline, stream, streams
+                ):
+                    break
+            else:
+                return [_tls.TlsStream(s) if tls is not None else s for s in opened]  # type: ignore
             last = "handshake refused (wrong group nonce, protocol version or world size)"
         except DistStoreTimeoutError:
             raise
         except _tls.TlsRefused as exc:
-            if sock is not None:
-                sock.close()
+            _close_all(opened)
             raise DistNetworkError(
                 f"tcp backend: rank {rank} cannot connect to rank {peer} at {addr} over TLS: {exc}"
             ) from None
         except _AuthFailed as exc:
-            if sock is not None:
-                sock.close()
+            _close_all(opened)
             raise DistNetworkError(
                 f"tcp backend: rank {rank} cannot authenticate its connection to rank {peer} at {addr}: {exc}; "
                 f"give every rank the same token (store token= or ${TOKEN_ENV})"
@@ -463,14 +523,30 @@ def _connect_one(
             last = f"{type(exc).__name__}: {exc}"
             why = _tls.fatal(exc) if tls is not None else None
             if why is not None:  # e.g. the peer refused this rank's certificate (TLS 1.3 says so after the handshake)
-                if sock is not None:
-                    sock.close()
+                _close_all(opened)
                 raise DistNetworkError(
                     f"tcp backend: rank {rank} cannot connect to rank {peer} at {addr} over TLS: {why}"
                 ) from None
-        if sock is not None:
-            sock.close()
+        _close_all(opened)
         time.sleep(0.05)
+
+
+def _close_all(socks: Sequence[Any]) -> None:
+    for sock in socks:
+        sock.close()
+
+
+def stream_count(options: Mapping[str, Any]) -> int:
+    """The TCP connections this rank opens to each lower rank on another host
+    (``streams`` option, else ``$TDIST_TCP_STREAMS``, else 1); a ValueError names a bad one."""
+    raw = options.get("streams", os.environ.get(STREAMS_ENV, 1))
+    try:
+        streams = int(raw)
+    except (TypeError, ValueError):
+        streams = 0
+    if not 1 <= streams <= MAX_STREAMS:
+        raise ValueError(f"tcp backend: streams must be a whole number from 1 to {MAX_STREAMS}, got {raw!r}")
+    return streams
 
 
 def _missing_ranks(store: Any, ranks: list[int]) -> tuple[list[int], list[int]]:
@@ -503,9 +579,10 @@ def _timeout_error(
 
 
 class Mesh(NamedTuple):
-    """A group's connections: one authenticated socket per peer, the group nonce and key."""
+    """A group's connections: each peer's authenticated sockets (its streams, stream 0
+    first), the group nonce and key."""
 
-    sockets: dict[int, socket.socket]
+    sockets: dict[int, list[socket.socket]]
     nonce: bytes
     key: bytes
 
@@ -517,6 +594,7 @@ def connect_mesh(
     ``timeout`` seconds; ``secret`` is the factory's (empty: no authentication)."""
     deadline = time.monotonic() + timeout
     buffer_bytes = int(options.get("socket_buffer", DEFAULT_SOCKET_BUFFER))
+    streams = stream_count(options)
     tls = _tls.mesh_tls(options, f"tcp backend rank {rank}")
     host = choose_host(store, options)
     port = int(options.get("port", 0))
@@ -528,7 +606,7 @@ def connect_mesh(
     use_unix = _unix_enabled(options)
     unix_listener: Optional[socket.socket] = None
     acceptor: Optional[_Acceptor] = None
-    connected: dict[int, socket.socket] = {}
+    connected: dict[int, list[socket.socket]] = {}
     try:
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -561,12 +639,14 @@ def connect_mesh(
         store.set(ADDR_KEY.format(rank), _format_addr(host, bound_port))
         for peer in range(rank):
             try:
-                connected[peer] = _connect_one(store, peer, rank, size, secret, deadline, buffer_bytes, use_unix, tls)
+                connected[peer] = _connect_one(
+                    store, peer, rank, size, secret, deadline, buffer_bytes, use_unix, tls, streams
+                )
             except DistStoreTimeoutError:
                 raise _timeout_error(rank, timeout, store, [p for p in range(rank) if p not in connected]) from None
         if acceptor is not None:
             acceptor.join(max(0.0, deadline - time.monotonic()) + 0.5)
-            connected.update(acceptor.accepted)
+            connected.update(acceptor.complete())
             if acceptor.error is not None:
                 raise DistNetworkError(f"tcp backend: rank {rank} failed accepting connections: {acceptor.error}")
             missing = [p for p in range(rank + 1, size) if p not in connected]
@@ -577,10 +657,10 @@ def connect_mesh(
         if acceptor is not None:
             acceptor.stop.set()
             acceptor.join(2.0)
-            for sock in acceptor.accepted.values():
-                sock.close()
-        for sock in connected.values():
-            sock.close()
+            for conns in acceptor.accepted.values():
+                _close_all(list(conns.values()))
+        for socks in connected.values():
+            _close_all(socks)
         raise
     finally:
         listener.close()

@@ -40,6 +40,7 @@ def tdist_register_backends(registry: Any) -> None:
                     "ifname",
                     "port",
                     "socket_buffer",
+                    "streams",
                     "unix",
                     "ring_threshold",
                     "segment_bytes",

@@ -1,4 +1,4 @@
-"""Frames over the mesh of sockets: one reader thread per peer, posted receives, stashes.
+"""Frames over the mesh of sockets: one reader thread per connection, posted receives, stashes.
 
 A reader thread reads each frame's header and hands the payload to the receive
 posted for it, reading straight into the destination tensor (zero copy); a frame
@@ -7,7 +7,10 @@ from which the next matching receive copies it once it is complete. Posting a re
 never waits for a stashed frame still arriving (a rank that starts a collective late
 must start its own sends at once, or its link idles while its peer's data comes in).
 
-- Collective frames from one peer are matched FIFO and their header (operation,
+- A pair of ranks may use several connections (*links*, the ``streams`` option):
+  segment ``k`` of a collective travels on link ``k % links``, P2P, acknowledgement
+  and control frames on link 0, so both ends agree where each frame goes.
+- Collective frames from one peer's link are matched FIFO and their header (operation,
   reduce op, sequence number, dtype, size) must be what the receiver expects; a
   mismatch fails the group everywhere (ABORT frames carry the reason to the peers).
 - P2P frames match posted receives by (source or any source, tag) in posting order;
@@ -29,7 +32,7 @@ import struct
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 from tdist.plugin import DistBackendError, DistBackendTimeoutError
@@ -157,31 +160,43 @@ class _Stashed:
         then(self.error)
 
 
-class _Peer:
-    __slots__ = (
-        "rank",
-        "sock",
-        "send_lock",
-        "coll_posted",
-        "coll_stash",
-        "p2p_stash",
-        "closed",
-        "said_bye",
-        "reader",
-        "label",
-    )
+class _Link:
+    """One connection (stream) to a peer: its socket, its reader, and the collective
+    frames it carries, matched FIFO."""
 
-    def __init__(self, rank: int, sock: socket.socket, label: str) -> None:
-        self.rank = rank
+    __slots__ = ("index", "sock", "send_lock", "coll_posted", "coll_stash", "said_bye", "reader")
+
+    def __init__(self, index: int, sock: socket.socket) -> None:
+        self.index = index
         self.sock = sock
-        self.label = label
         self.send_lock = threading.Lock()
         self.coll_posted: deque[PostedRecv] = deque()
         self.coll_stash: deque[_Stashed] = deque()
-        self.p2p_stash: list[_Stashed] = []
-        self.closed: Optional[str] = None  # why this peer can no longer be reached
         self.said_bye = False
         self.reader: Optional[threading.Thread] = None
+
+
+class _Peer:
+    """Another rank: its links (stream 0 carries P2P, acknowledgement and control frames;
+    a collective's segment ``k`` travels on link ``k % len(links)``) and P2P stash."""
+
+    __slots__ = ("rank", "links", "p2p_stash", "closed", "label")
+
+    def __init__(self, rank: int, socks: Sequence[socket.socket], label: str) -> None:
+        self.rank = rank
+        self.label = label
+        self.links = [_Link(i, sock) for i, sock in enumerate(socks)]
+        self.p2p_stash: list[_Stashed] = []
+        self.closed: Optional[str] = None  # why this peer can no longer be reached
+
+    def link_of(self, part: int) -> _Link:
+        """The link that carries collective frame ``part`` (step << 32 | segment)."""
+        links = self.links
+        return links[(part & 0xFFFFFFFF) % len(links)] if len(links) > 1 else links[0]
+
+    @property
+    def said_bye(self) -> bool:
+        return any(link.said_bye for link in self.links)
 
 
 class _EOF(Exception):
@@ -216,7 +231,7 @@ class Transport:
         self,
         rank: int,
         size: int,
-        sockets: dict[int, socket.socket],
+        sockets: Mapping[int, Union[socket.socket, Sequence[socket.socket]]],
         timeout: float,
         global_ranks: Optional[Sequence[int]] = None,
     ) -> None:
@@ -240,18 +255,26 @@ class Transport:
         self._probe_cv = threading.Condition(self._lock)
         slice_s = min(timeout, _SEND_SLICE)
         sndtimeo = struct.pack("ll", int(slice_s), int((slice_s % 1) * 1e6))
-        for peer_rank, sock in sockets.items():
-            try:  # a blocked send returns after this long (see _push)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, sndtimeo)
-            except (OSError, OverflowError):
-                pass
-            self.peers[peer_rank] = _Peer(peer_rank, sock, self.label(peer_rank))
+        for peer_rank, given in sockets.items():
+            socks: list[socket.socket] = list(given) if isinstance(given, (list, tuple)) else [given]  # type: ignore[list-item]
+            for sock in socks:
+                try:  # a blocked send returns after this long (see _push)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, sndtimeo)
+                except (OSError, OverflowError):
+                    pass
+            self.peers[peer_rank] = _Peer(peer_rank, socks, self.label(peer_rank))
         for peer in self.peers:
-            if peer is not None:
-                peer.reader = threading.Thread(
-                    target=self._read_loop, args=(peer,), name=f"tdist-tcp-r{rank}-from{peer.rank}", daemon=True
+            if peer is None:
+                continue
+            for link in peer.links:
+                suffix = f".{link.index}" if len(peer.links) > 1 else ""
+                link.reader = threading.Thread(
+                    target=self._read_loop,
+                    args=(peer, link),
+                    name=f"tdist-tcp-r{rank}-from{peer.rank}{suffix}",
+                    daemon=True,
                 )
-                peer.reader.start()
+                link.reader.start()
 
     # ------------------------------------------------------------------ names
     def label(self, rank: int) -> str:
@@ -264,9 +287,10 @@ class Transport:
         return self.label(self.rank)
 
     # ---------------------------------------------------------------- sending
-    def send(self, dst: int, header: bytes, payload: memoryview, coll: Optional["Coll"] = None) -> None:
-        """Send one frame to ``dst`` (frames to one peer never interleave); ``coll``: the
-        collective it belongs to (named if the send times out)."""
+    def send(self, dst: int, header: bytes, payload: memoryview, coll: Optional["Coll"] = None, part: int = 0) -> None:
+        """Send one frame to ``dst`` (frames on one link never interleave); ``coll``: the
+        collective it belongs to (named if the send times out), ``part`` the frame's
+        number in it (which picks the link)."""
         peer = self.peers[dst]
         if self.broken is not None:
             raise self.broken
@@ -275,9 +299,10 @@ class Transport:
         if peer.closed is not None:
             raise DistBackendError(peer.closed)
         n = len(payload)
+        link = peer.link_of(part)
         try:
-            with peer.send_lock:
-                sock = peer.sock
+            with link.send_lock:
+                sock = link.sock
                 if n <= _SMALL_SEND:
                     data = header + payload if n else header
                     try:
@@ -364,15 +389,16 @@ class Transport:
         pr = PostedRecv(src, dest, op, redop, seq, dtype, part)
         peer = self.peers[src]
         assert peer is not None  # never this rank
+        link = peer.link_of(part)
         with self._lock:
             if self.broken is not None:
                 raise self.broken
-            if peer.coll_stash:
-                stashed = peer.coll_stash.popleft()
+            if link.coll_stash:
+                stashed = link.coll_stash.popleft()
             elif peer.closed is not None:
                 raise DistBackendError(peer.closed)
             else:
-                peer.coll_posted.append(pr)
+                link.coll_posted.append(pr)
                 return pr
         if (
             stashed.op != op
@@ -409,7 +435,7 @@ class Transport:
         assert peer is not None
         with self._lock:
             try:
-                peer.coll_posted.remove(pr)
+                peer.link_of(pr.tag).coll_posted.remove(pr)
             except ValueError:
                 pass
         raise FrameTimeout(peer.rank, pr.op, pr.nbytes, pr.tag)
@@ -443,7 +469,7 @@ class Transport:
             token = self._probe_seq
             self._probe_replies = {}
         frame = pack_header(PROBE, 0, 0, 0, 0, token, 0)
-        asked = [p for p in self.peers if p is not None and p.closed is None and _send_control(p, frame, 0.5)]
+        asked = [p for p in self.peers if p is not None and p.closed is None and _send_control(p.links[0], frame, 0.5)]
         deadline = time.monotonic() + wait
         with self._probe_cv:
             while len(self._probe_replies) < len(asked) and self._probe_seq == token:
@@ -457,7 +483,7 @@ class Transport:
         return missing, silent
 
     def _on_probe(self, peer: _Peer, token: int) -> None:
-        _send_control(peer, pack_header(STATE, 0, 0, 0, self.issued, token, 0), 1.0)
+        _send_control(peer.links[0], pack_header(STATE, 0, 0, 0, self.issued, token, 0), 1.0)
 
     def _on_state(self, peer: _Peer, token: int, issued: int) -> None:
         with self._probe_cv:
@@ -539,8 +565,8 @@ class Transport:
         )
 
     # --------------------------------------------------------------- readers
-    def _read_loop(self, peer: _Peer) -> None:
-        sock = peer.sock
+    def _read_loop(self, peer: _Peer, link: _Link) -> None:
+        sock = link.sock
         buf = bytearray(_READ_BUFFER)
         mv = memoryview(buf)
         start = end = 0
@@ -560,7 +586,7 @@ class Transport:
                 shape = struct.unpack_from(f"<{ndim}q", buf, start + hsize) if ndim else ()
                 start += hlen
                 if kind == COLL:
-                    target, current = self._on_coll(peer, op, redop, seq, dtype, nbytes, shape, tag)
+                    target, current = self._on_coll(peer, link, op, redop, seq, dtype, nbytes, shape, tag)
                 elif kind == P2P:
                     target, current = self._on_p2p(peer, tag, dtype, seq, nbytes, shape)
                 elif kind == PROBE:  # answered from this thread: a busy or blocked rank still answers
@@ -604,9 +630,9 @@ class Transport:
                 elif kind == ABORT:
                     self.fail(self._abort_error(peer, bytes(target or b"")), notify=False)
                 elif kind == BYE:
-                    peer.said_bye = True
+                    link.said_bye = True
         except _EOF:
-            problem = None if peer.said_bye else "it closed the connection without saying goodbye"
+            problem = None if link.said_bye else "it closed the connection without saying goodbye"
         except _Corrupt as exc:
             problem = f"it sent a corrupt frame ({exc})"
         except OSError as exc:
@@ -628,17 +654,17 @@ class Transport:
         self._peer_gone(peer, err, crashed=problem is not None and not self._closing)
 
     def _on_coll(
-        self, peer: _Peer, op: int, redop: int, seq: int, dtype: int, nbytes: int, shape: tuple, part: int
+        self, peer: _Peer, link: _Link, op: int, redop: int, seq: int, dtype: int, nbytes: int, shape: tuple, part: int
     ) -> tuple[Optional[memoryview], Any]:
         with self._lock:
             if self.broken is not None:
                 return None, None
-            if not peer.coll_posted:
+            if not link.coll_posted:
                 self._arrivals += 1
                 stashed = _Stashed(op, redop, seq, dtype, part, nbytes, shape, self._arrivals)
-                peer.coll_stash.append(stashed)
+                link.coll_stash.append(stashed)
                 return memoryview(stashed.data), stashed
-            pr = peer.coll_posted.popleft()
+            pr = link.coll_posted.popleft()
         if (
             pr.op != op
             or pr.redop != redop
@@ -703,8 +729,9 @@ class Transport:
                 self._p2p_posted.clear()
                 for peer in self.peers:
                     if peer is not None:
-                        pending.extend(peer.coll_posted)
-                        peer.coll_posted.clear()
+                        for link in peer.links:
+                            pending.extend(link.coll_posted)
+                            link.coll_posted.clear()
             tell = notify and not self._closing and not self._told_peers
             if tell:
                 self._told_peers = True
@@ -748,14 +775,16 @@ class Transport:
         frame = pack_header(ABORT, 0, 0, 0, 0, 0, len(payload)) + payload
         for peer in self.peers:
             if peer is not None and peer.closed is None:
-                _send_control(peer, frame, 2.0)
+                _send_control(peer.links[0], frame, 2.0)
 
     def _peer_gone(self, peer: _Peer, err: DistBackendError, crashed: bool) -> None:
         with self._lock:
             if peer.closed is None:
                 peer.closed = str(err)
-            pending: list[Any] = list(peer.coll_posted)
-            peer.coll_posted.clear()
+            pending: list[Any] = []
+            for link in peer.links:
+                pending.extend(link.coll_posted)
+                link.coll_posted.clear()
             everyone_gone = all(p is None or p.closed is not None for p in self.peers)
             keep = []
             for pr in self._p2p_posted:
@@ -779,50 +808,46 @@ class Transport:
         if self.broken is None:
             self.fail(DistBackendError(f"tcp backend: {self.me}'s process group was destroyed"), notify=False)
         bye = pack_header(BYE, 0, 0, 0, 0, 0, 0)
-        for peer in self.peers:
-            if peer is None:
-                continue
+        links = [(peer, link) for peer in self.peers if peer is not None for link in peer.links]
+        for peer, link in links:
             if peer.closed is None:
-                _send_control(peer, bye, 1.0)
+                _send_control(link, bye, 1.0)
             try:
-                peer.sock.shutdown(socket.SHUT_WR)
+                link.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
         deadline = time.monotonic() + linger  # let the peers' BYEs arrive (avoids resets)
-        for peer in self.peers:
-            if peer is not None and peer.reader is not None:
-                peer.reader.join(max(0.0, deadline - time.monotonic()))
-        for peer in self.peers:
-            if peer is None:
-                continue
+        for _peer, link in links:
+            if link.reader is not None:
+                link.reader.join(max(0.0, deadline - time.monotonic()))
+        for _peer, link in links:
             try:
-                peer.sock.shutdown(socket.SHUT_RDWR)
+                link.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for peer in self.peers:
-            if peer is None:
-                continue
-            if peer.reader is not None:
-                peer.reader.join(2.0)
-            peer.sock.close()
+        for _peer, link in links:
+            if link.reader is not None:
+                link.reader.join(2.0)
+            link.sock.close()
         for helper in self._helpers:
             helper.join(3.0)
 
     def threads(self) -> list[threading.Thread]:
-        return [p.reader for p in self.peers if p is not None and p.reader is not None] + self._helpers
+        readers = [link.reader for p in self.peers if p is not None for link in p.links]
+        return [t for t in readers if t is not None] + self._helpers
 
 
-def _send_control(peer: _Peer, frame: bytes, limit: float) -> bool:
+def _send_control(link: _Link, frame: bytes, limit: float) -> bool:
     """Best-effort send of a small control frame without blocking longer than ``limit``
     (never changes the socket's blocking mode, which its reader relies on)."""
     deadline = time.monotonic() + limit
-    if not peer.send_lock.acquire(True, limit):
+    if not link.send_lock.acquire(True, limit):
         return False
     try:
         view = memoryview(frame)
         while view:
             try:
-                view = view[peer.sock.send(view, socket.MSG_DONTWAIT) :]
+                view = view[link.sock.send(view, socket.MSG_DONTWAIT) :]
             except (BlockingIOError, InterruptedError):
                 if time.monotonic() > deadline:
                     return False
@@ -831,7 +856,7 @@ def _send_control(peer: _Peer, frame: bytes, limit: float) -> bool:
     except OSError:
         return False
     finally:
-        peer.send_lock.release()
+        link.send_lock.release()
 
 
 def _fill(sock: socket.socket, buf: bytearray, mv: memoryview, start: int, end: int, need: int) -> tuple[int, int]:

@@ -47,7 +47,7 @@ __all__ = [
     "part_name",
 ]
 
-PROTOCOL_VERSION = 2  # 2: mutually authenticated handshake (tdist_tcp.auth)
+PROTOCOL_VERSION = 3  # 2: mutually authenticated handshake (tdist_tcp.auth); 3: streams in its flags
 FRAME_MAGIC = 0x46544454  # b"TDTF" little endian
 #: magic, kind, op, redop, dtype, ndim, (3 pad), tag (P2P tag; for collectives the
 #: algorithm's part number: step << 32 | segment), seq, nbytes
