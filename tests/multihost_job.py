@@ -168,10 +168,12 @@ def check(dist, backend: str, init_method, nbytes: int, **extra) -> None:
     hosts = [bytes(int(c) for c in t.tolist() if c).decode() for t in names]
     others_ok = other_collectives_ok(dist, rank, size)
 
-    uses_shm = tcp_hosts = None
+    uses_shm = tcp_hosts = links = None
     if backend == "tcp":
         uses_shm = bool(dist.group.WORLD.backends["cpu"].uses_shm)
         tcp_hosts = dist.group.WORLD.backends["cpu"].hosts
+        peers = dist.group.WORLD.backends["cpu"]._tr.peers  # connections per peer (test introspection)
+        links = {str(p.rank): len(p.links) for p in peers if p is not None}
     print(
         "RESULT "
         + json.dumps(
@@ -187,6 +189,7 @@ def check(dist, backend: str, init_method, nbytes: int, **extra) -> None:
                 "tx": after[1] - before[1],
                 "uses_shm": uses_shm,
                 "tcp_hosts": tcp_hosts,
+                "links": links,
                 **extra,
             }
         ),

@@ -204,8 +204,10 @@ def test_timeouts_and_cleanup(tmp_path):
 
 
 # ------------------------------------------------------------------ jobs across hosts
-@pytest.mark.parametrize("backend,nproc", [("tcp", 2), ("gloo", 1)])
-def test_tdistrun_on_two_hosts(tdist_cluster, backend, nproc):
+@pytest.mark.parametrize("backend,nproc,streams", [("tcp", 2, 1), ("tcp", 2, 3), ("gloo", 1, 1)])
+def test_tdistrun_on_two_hosts(tdist_cluster, backend, nproc, streams):
+    """``tdistrun --nnodes 2`` on each host; with ``streams`` (tcp), every pair of ranks on
+    different hosts uses that many TCP connections, a pair on one host one Unix-domain socket."""
     commands = [
         [
             tdistrun(),
@@ -227,8 +229,15 @@ def test_tdistrun_on_two_hosts(tdist_cluster, backend, nproc):
         ]
         for host in tdist_cluster
     ]
-    outputs = [out for _, out, _ in finish(start(tdist_cluster, commands))]
-    check_job(tdist_cluster, job_results(outputs), 2 * nproc, backend)
+    env = dict(base_env(), TDIST_TCP_STREAMS=str(streams))
+    outputs = [out for _, out, _ in finish(start(tdist_cluster, commands, [env] * len(commands)))]
+    results = job_results(outputs)
+    check_job(tdist_cluster, results, 2 * nproc, backend)
+    if backend == "tcp":
+        for r in results:
+            host = r["rank"] // nproc
+            expected = {str(q): 1 if q // nproc == host else streams for q in range(2 * nproc) if q != r["rank"]}
+            assert r["links"] == expected, r
 
 
 def test_mpirun_across_hosts(tdist_cluster, tmp_path):

@@ -439,7 +439,20 @@ class Host:
             proc._timer = threading.Timer(timeout, proc._expire)
             proc._timer.daemon = True
             proc._timer.start()
+        self._wait_entered(proc)
         return proc
+
+    def _wait_entered(self, proc: HostProcess) -> None:
+        """Return once ``proc`` runs in this host's network namespace (or has ended): from
+        then on :meth:`processes`, :meth:`kill_all` and the host's end find it (a process
+        still entering the namespace would escape them)."""
+        net = netns_inode(self.init_pid)
+        deadline = time.monotonic() + SETUP_TIMEOUT
+        while proc.poll() is None and netns_inode(proc.pid) != net:
+            if time.monotonic() > deadline:
+                proc.signal_group(signal.SIGKILL)
+                raise ClusterError(f"{self.hostname}: a command did not enter the host within {SETUP_TIMEOUT:g} s")
+            time.sleep(0.001)
 
     def run(
         self,
