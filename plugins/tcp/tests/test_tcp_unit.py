@@ -324,7 +324,7 @@ def _transport_and_peer():
     from tdist_tcp.transport import Transport
 
     mine, theirs = socket.socketpair()
-    return Transport(0, 2, {1: mine}, 10.0), theirs
+    return Transport(0, 2, {1: [mine]}, 10.0), theirs
 
 
 def _wait_until(predicate, limit: float = 5.0) -> None:

@@ -219,7 +219,7 @@ class _Acceptor(threading.Thread):
     def complete(self) -> dict[int, list[socket.socket]]:
         """The ranks whose every stream is connected: their sockets, stream 0 first."""
         return {
-            q: [conns[i] for i in range(len(conns))]
+            q: [conns[i] for i in sorted(conns)]
             for q, conns in self.accepted.items()
             if len(conns) == self._streams.get(q, 0)
         }

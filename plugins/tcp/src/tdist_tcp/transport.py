@@ -32,7 +32,7 @@ import struct
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 from tdist.plugin import DistBackendError, DistBackendTimeoutError
@@ -231,7 +231,7 @@ class Transport:
         self,
         rank: int,
         size: int,
-        sockets: Mapping[int, Union[socket.socket, Sequence[socket.socket]]],
+        sockets: Mapping[int, Sequence[socket.socket]],
         timeout: float,
         global_ranks: Optional[Sequence[int]] = None,
     ) -> None:
@@ -255,8 +255,7 @@ class Transport:
         self._probe_cv = threading.Condition(self._lock)
         slice_s = min(timeout, _SEND_SLICE)
         sndtimeo = struct.pack("ll", int(slice_s), int((slice_s % 1) * 1e6))
-        for peer_rank, given in sockets.items():
-            socks: list[socket.socket] = list(given) if isinstance(given, (list, tuple)) else [given]  # type: ignore[list-item]
+        for peer_rank, socks in sockets.items():
             for sock in socks:
                 try:  # a blocked send returns after this long (see _push)
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, sndtimeo)
@@ -413,16 +412,22 @@ class Transport:
             )
             self.fail(err)
             raise err
+        self._claim(pr, stashed)
+        return pr
+
+    def _claim(self, pr: PostedRecv, stashed: _Stashed) -> None:
+        """Complete ``pr`` with ``stashed`` as soon as that frame is fully read: now if it
+        is, else from its reader (posting never waits for a frame still arriving). A group
+        broken meanwhile fails it, as it fails the receives still posted."""
 
         def land(error: Optional[BaseException]) -> None:
-            if error is None and self.broken is not None:
+            if error is None:
                 error = self.broken
             if error is None and pr.nbytes:
-                dest[:] = stashed.data
+                pr.dest[:] = stashed.data
             pr.finish(error)
 
-        stashed.deliver_to(land)  # posting never waits for a frame still arriving
-        return pr
+        stashed.deliver_to(land)
 
     def wait_coll(self, pr: PostedRecv, deadline: float) -> None:
         """Wait for a posted collective receive; raise its error, or :class:`FrameTimeout`."""
@@ -539,13 +544,7 @@ class Transport:
         if stashed.dtype != dtype or stashed.nbytes != pr.nbytes:
             pr.finish(self._p2p_mismatch(pr, peer, stashed.dtype, stashed.nbytes, stashed.shape))
             return pr
-
-        def land(error: Optional[BaseException]) -> None:
-            if error is None and pr.nbytes:
-                dest[:] = stashed.data
-            pr.finish(error)
-
-        stashed.deliver_to(land)
+        self._claim(pr, stashed)
         return pr
 
     def cancel_p2p(self, pr: PostedRecv) -> bool:
