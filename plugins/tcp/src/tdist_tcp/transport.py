@@ -198,6 +198,14 @@ class _Peer:
     def said_bye(self) -> bool:
         return any(link.said_bye for link in self.links)
 
+    def take_posted(self) -> list[PostedRecv]:
+        """Withdraw every collective receive posted on this peer's links (caller holds the transport's lock)."""
+        taken: list[PostedRecv] = []
+        for link in self.links:
+            taken.extend(link.coll_posted)
+            link.coll_posted.clear()
+        return taken
+
 
 class _EOF(Exception):
     pass
@@ -728,9 +736,7 @@ class Transport:
                 self._p2p_posted.clear()
                 for peer in self.peers:
                     if peer is not None:
-                        for link in peer.links:
-                            pending.extend(link.coll_posted)
-                            link.coll_posted.clear()
+                        pending.extend(peer.take_posted())
             tell = notify and not self._closing and not self._told_peers
             if tell:
                 self._told_peers = True
@@ -780,10 +786,7 @@ class Transport:
         with self._lock:
             if peer.closed is None:
                 peer.closed = str(err)
-            pending: list[Any] = []
-            for link in peer.links:
-                pending.extend(link.coll_posted)
-                link.coll_posted.clear()
+            pending: list[Any] = peer.take_posted()
             everyone_gone = all(p is None or p.closed is not None for p in self.peers)
             keep = []
             for pr in self._p2p_posted:
