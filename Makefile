@@ -14,7 +14,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv test lint demo docs clean
+.PHONY: venv test test-quick test-torch-range lint demo docs dist clean clean-wheels
 
 venv: $(STAMP)
 
@@ -28,9 +28,59 @@ $(STAMP): Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES)) plug
 	$(PIP) install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	touch $(STAMP)
 
-# The docs are built in strict mode first (a broken link or reference fails the run).
-test: venv lint docs
+# The docs are built in strict mode first (a broken link or reference fails the run), the
+# distributions into dist/ (tests/test_install_from_wheels.py installs them in a fresh venv),
+# then the whole suite on the pinned torch, then the torch-facing tests on both ends of the range.
+test: venv lint docs dist
 	$(PY) -m pytest -q
+	$(MAKE) test-torch-range
+
+# A first check in a few minutes: the unit tests and the kit on the tcp backend only.
+test-quick: venv
+	$(PY) -m pytest -q -x tests/test_api_errors.py tests/test_packaging.py plugins/tcp/tests/test_tcp_unit.py \
+	    --pyargs tdist.testing.suite --tdist-backend tcp --tdist-world-sizes 2
+
+# ---------------------------------------------------------------------------------------------
+# The torch range (tdist._version.TORCH_REQUIREMENT, in every pyproject): the torch-facing tests
+# (the bridge, torch's utilities, torchrun, the stores' torch API, the signatures against
+# torch.distributed, gloo) run on its oldest and newest release, each in its own venv
+# (.venv-torch-<version>) beside .venv. Beyond 2.13 the package index has CUDA builds only,
+# whose CUDA libraries `import torch` loads even without a GPU: the wheels are downloaded once
+# into TORCH_WHEELS (kept by `make clean`; `make clean-wheels` removes it) and installed from
+# there without the index.
+TORCH_OLDEST := 2.7.0
+TORCH_NEWEST := 2.15.0
+TORCH_WHEELS ?= $(HOME)/.cache/tdist/torch-wheels
+TORCH_FACING_TESTS := tests/test_torch_bridge.py tests/test_torch_fallback.py tests/test_torch_names.py \
+    tests/test_torch_utilities.py tests/test_torchrun.py tests/test_store_torch_suite.py plugins/gloo/tests
+
+.venv-torch-%/.installed: Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES))
+	$(PYTHON) -m venv .venv-torch-$*
+	.venv-torch-$*/bin/pip install -q --upgrade pip
+	.venv-torch-$*/bin/pip download -q -d $(TORCH_WHEELS)/$* torch==$*
+	.venv-torch-$*/bin/pip install -q --no-index --find-links $(TORCH_WHEELS)/$* torch==$*
+	.venv-torch-$*/bin/pip install -q -c constraints.txt numpy pluggy pytest pytest-timeout hypothesis setuptools wheel
+	# no constraints here: they pin the test environment's torch, and this venv has its own
+	.venv-torch-$*/bin/pip install -q --no-build-isolation -e core -e plugins/tcp -e plugins/gloo -e plugins/debug
+	touch $@
+
+test-torch-range: .venv-torch-$(TORCH_OLDEST)/.installed .venv-torch-$(TORCH_NEWEST)/.installed
+	for version in $(TORCH_OLDEST) $(TORCH_NEWEST); do \
+	    echo "== torch $$version: the torch-facing tests"; \
+	    .venv-torch-$$version/bin/python -m tdist info | grep -i '^torch' || exit 1; \
+	    .venv-torch-$$version/bin/python -m pytest -q $(TORCH_FACING_TESTS) || exit 1; \
+	done
+
+# ---------------------------------------------------------------------------------------------
+# make dist -- a wheel and an sdist of every distribution into dist/, built by the standard
+# frontend (python -m build, in isolated build environments) and checked by twine.
+DIST_DEPS := "build>=1.2" "twine>=6"
+
+dist: venv
+	$(PY) -c "import build, twine" 2>/dev/null || $(PIP) install -q $(DIST_DEPS)
+	rm -rf dist
+	for package in $(PACKAGES); do $(PY) -m build -q --outdir dist $$package || exit 1; done
+	$(PY) -m twine check --strict dist/*
 
 # Static checks, part of `make test` (and so of CI): ruff's lint rules and formatting, and mypy
 # (settings in pyproject.toml). `ruff format core plugins tests examples` fixes the formatting.
@@ -66,6 +116,10 @@ bench: venv
 
 # Everything the targets above build: the environment, packaging and tool caches, docs and bench output.
 clean:
-	rm -rf $(VENV) build site docs/site bench-results .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-torch-* build dist site docs/site bench-results .mypy_cache .ruff_cache .pytest_cache .hypothesis
 	rm -rf core/build plugins/*/build core/src/*.egg-info plugins/*/src/*.egg-info plugins/_template/src/*.egg-info
 	find . -name __pycache__ -type d -prune -not -path "./.git/*" -exec rm -rf {} +
+
+# The torch wheels the range's venvs are installed from (several GB, downloaded again after this).
+clean-wheels:
+	rm -rf $(TORCH_WHEELS)

@@ -52,3 +52,39 @@ def test_the_core_version_has_one_source() -> None:
     from importlib.metadata import version
 
     assert version("tdist") == tdist.__version__
+
+
+def _makefile_variable(name: str) -> str:
+    for line in (ROOT / "Makefile").read_text().splitlines():
+        if line.startswith(f"{name} ") and ":=" in line:
+            return line.split(":=", 1)[1].strip()
+    raise AssertionError(f"the Makefile sets no {name}")
+
+
+@pytest.mark.parametrize("path", [ROOT / "core", *PLUGINS], ids=lambda p: p.name)
+def test_every_distribution_declares_the_tested_torch_range(path: pathlib.Path) -> None:
+    """torch is required within tdist._version.TORCH_REQUIREMENT, with an upper bound (the
+    next minor nobody has tested is excluded); core declares it in its ``torch`` extra."""
+    from tdist._version import TORCH_REQUIREMENT
+
+    project = _project(path)["project"]
+    requirements = [*project.get("dependencies", []), *project.get("optional-dependencies", {}).get("torch", [])]
+    (torch_requirement,) = [Requirement(r) for r in requirements if Requirement(r).name == "torch"]
+    assert str(torch_requirement.specifier) == str(Requirement("torch" + TORCH_REQUIREMENT).specifier)
+
+
+def test_the_makefile_tests_both_ends_of_the_torch_range() -> None:
+    """TORCH_OLDEST is the range's first release, TORCH_NEWEST a release of the last minor it admits."""
+    from packaging.version import Version
+
+    from tdist._version import TORCH_REQUIREMENT
+
+    specifier = Requirement("torch" + TORCH_REQUIREMENT).specifier
+    oldest, newest = Version(_makefile_variable("TORCH_OLDEST")), Version(_makefile_variable("TORCH_NEWEST"))
+    (lower,) = [Version(s.version) for s in specifier if s.operator == ">="]
+    (upper,) = [Version(s.version) for s in specifier if s.operator == "<"]
+    assert oldest in specifier and newest in specifier
+    assert oldest.release[:2] == lower.release[:2], f"TORCH_OLDEST {oldest} is not the range's first minor {lower}"
+    assert (newest.major, newest.minor + 1) == upper.release[:2], (
+        f"TORCH_NEWEST {newest} is not the minor below {upper}"
+    )

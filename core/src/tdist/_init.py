@@ -280,6 +280,7 @@ def init_process_group(
     group_name: str = "",
     pg_options: Optional[dict[str, Any]] = None,
     device_id: Any = None,
+    enable_reconfigure: bool = False,
     torch_bridge: Optional[bool] = None,
 ) -> None:
     """Initialise the default process group; blocks until every rank has joined.
@@ -292,6 +293,8 @@ def init_process_group(
     share one rendezvous (file path or address). ``pg_options`` are passed to the
     backend factories, with ``device_id`` (the device this rank uses, which lets a
     GPU backend connect eagerly) added as ``pg_options["device_id"]`` when given.
+    ``enable_reconfigure`` (torch 2.15's) is accepted and ignored, as torch's backends
+    without a reconfigure regime ignore it.
 
     ``torch_bridge`` (default: on unless ``TDIST_TORCH_BRIDGE=0``): also make this group
     torch.distributed's default group, so torch's utilities (DDP, DistributedSampler,

@@ -48,7 +48,7 @@ class TdistCreator:
         self.name = name
 
     def __call__(self, backend_options: Any, pg_options: Any = None) -> Any:
-        from tdist._torch.registry import create_torch_group
+        from tdist._torch import create_torch_group
 
         return create_torch_group(self.name, backend_options, pg_options)
 

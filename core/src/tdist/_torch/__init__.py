@@ -9,7 +9,8 @@ unconditionally:
 * :mod:`.process_group` -- ``TorchProcessGroup``, a tdist group as a torch ProcessGroup;
 * :mod:`.work` -- ``BridgeWork``, a tdist Work as a torch Work;
 * :mod:`.registry` -- ``tdist-<name>`` registered with torch, the creator torch calls;
-* :mod:`.mirror` -- what init/new_group/destroy do on torch's side.
+* :mod:`.mirror` -- what init/new_group/destroy do on torch's side;
+* :mod:`.features` -- what the installed torch has (every difference between releases).
 
 The bridge is on unless ``init_process_group(..., torch_bridge=False)`` or
 ``TDIST_TORCH_BRIDGE=0``.
@@ -22,7 +23,9 @@ import sys
 import warnings
 from typing import Any, Optional, Sequence
 
-from tdist_autoload import BRIDGE_ENV, bridge_disabled, register
+from tdist_autoload import BRIDGE_ENV, PREFIX, bridge_disabled, register
+
+from .._version import TORCH_REQUIREMENT
 
 __all__ = [
     "wanted",
@@ -32,10 +35,12 @@ __all__ = [
     "forget",
     "forget_all",
     "register_with_torch",
+    "create_torch_group",
     "BRIDGE_ENV",
 ]
 
 _warned_left_alone = False
+_warned_unattached = False
 
 
 def register_with_torch() -> None:
@@ -84,10 +89,75 @@ def torch_is_free(rank: int, world_size: int) -> bool:
 
 
 def mirror_world(world: Any) -> None:
-    """Make torch.distributed's default group ``world``'s mirror."""
+    """Make torch.distributed's default group ``world``'s mirror. Fails safe: where the bridge
+    cannot attach to the installed torch (a release it does not know), tdist's group stays
+    tdist's only, with one warning that says so; never an error from inside torch."""
+    from .features import unattachable
+
+    why = unattachable()
+    if why is not None:
+        _warn_unattached(why)
+        return
     from .mirror import mirror_world as mirror
 
-    mirror(world)
+    try:
+        mirror(world)
+    except Exception as exc:  # noqa: BLE001 - whatever a torch release raises, tdist's group stays usable
+        _undo_mirror(world)
+        from .features import features
+
+        _warn_unattached(
+            f"torch {features().version} refused tdist's group ({type(exc).__name__}: {exc}); "
+            f"tdist is tested with torch{TORCH_REQUIREMENT}"
+        )
+
+
+def _warn_unattached(why: str) -> None:
+    """Say once per process that torch.distributed does not see tdist's groups, and why."""
+    global _warned_unattached
+    if _warned_unattached:
+        return
+    _warned_unattached = True
+    warnings.warn(
+        f"tdist: torch.distributed does not see tdist's groups: {why}. tdist's own API works; what does not "
+        "carry over: torch.distributed's functions on tdist's groups and the torch utilities built on them "
+        "(torch's DistributedDataParallel, FSDP, DistributedSampler, torch.distributed.checkpoint), and "
+        f"torch.distributed.init_process_group('tdist-<name>'). {BRIDGE_ENV}=0 silences this.",
+        stacklevel=4,
+    )
+
+
+def _undo_mirror(world: Any) -> None:
+    """After torch failed to take ``world``: forget the half-made mirror without destroying ``world``."""
+    mirror, world.torch_group = world.torch_group, None
+    if mirror is not None:
+        mirror.closing = True  # torch's destroy must not destroy the tdist group
+    torch_dist = _torch_dist()
+    if torch_dist is not None and torch_dist.is_initialized():
+        try:
+            torch_dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort: torch's state is torch's
+            pass
+
+
+def create_torch_group(name: str, options: Any, pg_options: Any) -> Any:
+    """What torch's creator for ``tdist-<name>`` returns (:func:`.registry.create_torch_group`),
+    or a :class:`~tdist.DistError` naming the supported torch range where the bridge cannot
+    attach to this torch."""
+    from .._errors import DistError
+    from .features import unattachable
+
+    why = unattachable()
+    if why is not None:
+        raise DistError(f"torch.distributed.init_process_group({PREFIX + name!r}): {why}")
+    try:
+        from .registry import create_torch_group as create
+    except (ImportError, AttributeError, TypeError) as exc:  # torch's classes changed under the bridge
+        raise DistError(
+            f"torch.distributed.init_process_group({PREFIX + name!r}): tdist's bridge does not load on this "
+            f"torch ({exc}); tdist is tested with torch{TORCH_REQUIREMENT}"
+        ) from exc
+    return create(name, options, pg_options)
 
 
 def mirror_new_group(pg: Any, members: Sequence[int], devices: dict[str, str], group_desc: Optional[str]) -> None:

@@ -21,6 +21,7 @@ from .._groups import STATE, ProcessGroup
 from .._init import get_backend_spec
 from .._store import PrefixStore
 from .._store.torch_adapters import as_torch_store
+from .features import features
 from .registry import adopting, is_mirrored, register_torch_backends, torch_backend_string
 
 __all__ = ["mirror_world", "mirror_new_group", "forget", "forget_all", "destroy_from_torch", "unbridgeable"]
@@ -77,8 +78,16 @@ def mirror_new_group(
         backend=torch_backend_string(devices),
         timeout=world.timeout if pg is None else pg.timeout,
         group_desc=group_desc,
-        sort_ranks=False,
     )
+    if features().new_group_sort_ranks:
+        kwargs["sort_ranks"] = False
+    elif list(members) != sorted(members):  # torch would number the group's ranks differently
+        warnings.warn(
+            f"tdist: torch {features().version}'s new_group sorts ranks, so the group {list(members)} "
+            "(ranks not in ascending order) is tdist's only: torch.distributed does not see it",
+            stacklevel=4,
+        )
+        return
     if pg is None:
         torch_dist.new_group(list(members), **kwargs)
         return

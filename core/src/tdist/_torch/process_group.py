@@ -39,6 +39,7 @@ from .._validate import (
 )
 from .._work import Work
 from ..reduction import check_reduction
+from .features import features
 from .work import BridgeWork, all_of
 
 __all__ = ["TorchProcessGroup", "as_reduction", "checked_reduction"]
@@ -52,6 +53,7 @@ class _Finished(BridgeWork):
 
 
 _FINISHED = _Finished(Work.completed("finished"), ())
+_OPTIONS_SAY_ASYNC = features().options_say_async
 
 _TORCH_REDUCE_OP = torch_dist.ReduceOp
 _RED: Any = _TORCH_REDUCE_OP.RedOpType  # pybind enum: torch's stubs do not list its members
@@ -181,6 +183,15 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         """The device types the group serves (torch picks the device of object collectives from them)."""
         return list(self._device_list)
 
+    def _get_backend(self, device: Any) -> "TorchProcessGroup":
+        """The group is its own backend for every device it serves (torch's Python-backend
+        convention: a ProcessGroup subclass has no C++ backends registered on it)."""
+        kind = device if isinstance(device, str) else torch.device(device).type
+        kind = torch.device(kind).type
+        if kind not in self.tdist_group.backends:
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return self
+
     # tdist's view of the group, for programs that use the group with tdist's API.
     @property
     def ranks(self) -> list[int]:
@@ -226,11 +237,12 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         tag: Optional[int] = None,
     ) -> BridgeWork:
         """Issue ``call`` on the tdist group. torch's blocking calls (``opts.asyncOp`` False:
-        torch waits at once and drops the Work) wait here and get a shared finished Work.
+        torch waits at once and drops the Work) wait here and get a shared finished Work
+        (where torch's options have no ``asyncOp``, torch waits on the returned Work).
         ``reduction``, ``root``/``peer`` (group ranks) and ``tag`` describe it to the work hooks."""
         work = issue(self.tdist_group, operation, device, call, True, copies, tensors, reduction, root, peer, tag)
         assert work is not None
-        if opts is not None and not opts.asyncOp:
+        if _OPTIONS_SAY_ASYNC and opts is not None and not opts.asyncOp:
             work.wait()
             return _FINISHED
         return self._bridge(work, outputs, tensors)

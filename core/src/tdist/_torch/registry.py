@@ -27,6 +27,7 @@ from .._groups import STATE, ProcessGroup
 from .._init import _build_group, get_backend_spec, init_process_group, join
 from .._plugins import plugins
 from .._store.torch_adapters import from_torch_store
+from .features import register_backend
 from .process_group import TorchProcessGroup
 
 __all__ = ["register_torch_backends", "create_torch_group", "adopting", "torch_backend_string", "mirror", "is_mirrored"]
@@ -40,9 +41,7 @@ def register_torch_backends(names: Optional[Iterable[str]] = None) -> None:
     registry = plugins().backends
     specs = registry.specs() if names is None else [s for s in map(registry.get, names) if s is not None]
     for spec in specs:
-        torch_dist.Backend.register_backend(
-            torch_backend_name(spec.name), TdistCreator(spec.name), extended_api=True, devices=list(spec.devices)
-        )
+        register_backend(torch_backend_name(spec.name), TdistCreator(spec.name), list(spec.devices))
 
 
 def torch_backend_string(devices: dict[str, str]) -> str:

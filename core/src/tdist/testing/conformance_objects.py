@@ -4,12 +4,20 @@ group ranks (``group_src``/``group_dst``)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from ._registry import body
 from .helpers import GROUP_KINDS, Sub, assert_equal, assert_true, check_world_works, dist
 
-__all__ = ["broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list", "object_p2p"]
+__all__ = [
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "object_p2p",
+    "objects_weights_only",
+]
 
 _GROUPS = [{"group": g} for g in GROUP_KINDS]
 
@@ -127,3 +135,53 @@ def object_p2p(device: Any = None):
         assert_equal(got, [_obj(n - 1)], "recv_object_list from group rank 1")
         assert_true(sender == n - 1, f"recv_object_list returned {sender!r}, expected global rank {n - 1}")
     check_world_works("object p2p")
+
+
+def _weights(rank: int) -> dict[str, Any]:
+    import torch
+
+    return {"weight": torch.arange(rank + 2, dtype=torch.float32) * rank, "step": rank, "names": [f"r{rank}"]}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with its tensors as lists (for comparison)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+@body()
+def objects_weights_only():
+    """``weights_only=True`` (torch's option): objects travel as ``torch.save`` bytes and are read
+    with ``torch.load(weights_only=True)``: tensors and plain containers arrive intact; an object
+    whose loading would run code is refused on every receiving rank, and that code never runs."""
+    if "weights_only" not in inspect.signature(dist.all_gather_object).parameters:
+        return  # the reference run on torch.distributed before 2.15, which has no weights_only
+    r, n = dist.get_rank(), dist.get_world_size()
+    gathered: list[Any] = [None] * n
+    dist.all_gather_object(gathered, _weights(r), weights_only=True)
+    assert_equal(_plain(gathered), [_plain(_weights(m)) for m in range(n)], "all_gather_object(weights_only=True)")
+    objects = [_weights(n - 1)] if r == n - 1 else [None]
+    dist.broadcast_object_list(objects, src=n - 1, weights_only=True)
+    assert_equal(_plain(objects), [_plain(_weights(n - 1))], "broadcast_object_list(weights_only=True)")
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, [_weights(m) for m in range(n)] if r == 0 else None, src=0, weights_only=True)
+    assert_equal(_plain(out[0]), _plain(_weights(r)), "scatter_object_list(weights_only=True)")
+    if n >= 2 and r in (0, 1):
+        if r == 0:
+            dist.send_object_list([_weights(0)], dst=1, weights_only=True)
+        else:
+            got: list[Any] = [None]
+            dist.recv_object_list(got, src=0, weights_only=True)
+            assert_equal(_plain(got), [_plain(_weights(0))], "send/recv_object_list(weights_only=True)")
+    _UNPICKLED.clear()
+    refused = None
+    try:
+        dist.all_gather_object(gathered, _Tracked(r), weights_only=True)
+    except Exception as exc:  # torch.load's UnpicklingError
+        refused = exc
+    assert_true(refused is not None, "all_gather_object(weights_only=True) loaded an object that runs code")
+    assert_equal(_UNPICKLED, [], "objects unpickled with weights_only=True")
+    check_world_works("objects with weights_only")
