@@ -37,8 +37,8 @@ test: venv lint docs dist
 
 # A first check in a few minutes: the unit tests and the kit on the tcp backend only.
 test-quick: venv
-	$(PY) -m pytest -q -x tests/test_api_errors.py tests/test_packaging.py plugins/tcp/tests/test_tcp_unit.py \
-	    --pyargs tdist.testing.suite --tdist-backend tcp --tdist-world-sizes 2
+	$(PY) -m pytest -q -x tests/test_api_errors.py tests/test_packaging.py plugins/tcp/tests/test_tcp_unit.py
+	$(PY) -m pytest -q -x --pyargs tdist.testing.suite --tdist-backend tcp --tdist-world-sizes 2
 
 # ---------------------------------------------------------------------------------------------
 # The torch range (tdist._version.TORCH_REQUIREMENT, in every pyproject): the torch-facing tests

@@ -29,9 +29,31 @@ def support_table(specs: Sequence[BackendSpec], devices: Sequence[str] = ("cpu",
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
+def torch_text() -> str:
+    """Lines on torch: the supported range, the torch found, whether the bridge attaches."""
+    from ._version import TORCH_REQUIREMENT
+
+    lines = [f"torch supported: torch{TORCH_REQUIREMENT}"]
+    try:
+        from ._torch.features import features
+    except ImportError as exc:  # tdist without torch
+        return "\n".join([*lines, f"torch found: none ({exc})"])
+    from tdist_autoload import BRIDGE_ENV, bridge_disabled
+
+    found = features()
+    lines.append(f"torch found: {found.describe()}")
+    if bridge_disabled():
+        lines.append(f"torch bridge: off ({BRIDGE_ENV}=0)")
+    elif found.attachable:
+        lines.append("torch bridge: on (tdist's groups are torch.distributed's; torch knows tdist-<name>)")
+    else:
+        lines.append("torch bridge: cannot attach (tdist's own API works; torch's utilities do not see its groups)")
+    return "\n".join(lines)
+
+
 def info_text(registry: Plugins | None = None) -> str:
     registry = registry or plugins()
-    lines = ["Plugins:"]
+    lines = [torch_text(), "", "Plugins:"]
     for record in registry.records:
         status = "loaded" if record.loaded else f"not loaded: {record.error}"
         lines.append(f"  {record.name:<20} {record.distribution or '-'} {record.version or ''}  [{status}]")

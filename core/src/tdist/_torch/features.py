@@ -55,7 +55,11 @@ class TorchFeatures:
 
     def describe(self) -> str:
         """One line for ``python -m tdist info`` and for warnings."""
-        tested = "tested" if in_tested_range(self.version) else f"outside tdist's tested range torch{TORCH_REQUIREMENT}"
+        tested = (
+            "in the tested range"
+            if in_tested_range(self.version)
+            else f"outside tdist's tested range torch{TORCH_REQUIREMENT}"
+        )
         if not self.attachable:
             return f"torch {self.version} ({tested}): the bridge cannot attach: lacks {', '.join(self.missing)}"
         return f"torch {self.version} ({tested}): the bridge attaches"
@@ -137,7 +141,7 @@ def register_backend(torch_name: str, creator: Any, devices: list[str]) -> None:
     if features().flight_recorder_hook:
         # torch attaches its flight recorder to a group unless its backend records on its own:
         # tdist's backends do (tdist-debug), and torch's recorder cannot hook a Python group.
-        td.distributed_c10d._FR_SELF_RECORDING_BACKENDS.add(torch_name.lower())
+        td.distributed_c10d._FR_SELF_RECORDING_BACKENDS.add(torch_name.lower())  # type: ignore[attr-defined]
 
 
 def unattachable() -> Optional[str]:

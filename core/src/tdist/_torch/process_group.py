@@ -183,11 +183,10 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         """The device types the group serves (torch picks the device of object collectives from them)."""
         return list(self._device_list)
 
-    def _get_backend(self, device: Any) -> "TorchProcessGroup":
+    def _get_backend(self, device: Any) -> "TorchProcessGroup":  # type: ignore[override]  # torch: a Backend
         """The group is its own backend for every device it serves (torch's Python-backend
         convention: a ProcessGroup subclass has no C++ backends registered on it)."""
-        kind = device if isinstance(device, str) else torch.device(device).type
-        kind = torch.device(kind).type
+        kind = torch.device(device).type  # "cpu", "cuda:0", a torch.device
         if kind not in self.tdist_group.backends:
             raise RuntimeError(f"No backend type associated with device type {kind}")
         return self
