@@ -103,12 +103,12 @@ def test_the_feature_check_passes_on_this_torch():
 
 @pytest.mark.parametrize(
     "version, tested",
-    [("2.6.0", False), ("2.7.0", True), ("2.7.0+cu126", True), ("2.15.0", True), ("2.16.0a0", False), ("3.0", False)],
+    [("2.12.1", False), ("2.13.0", True), ("2.13.0+cpu", True), ("2.15.0", True), ("2.16.0a0", False), ("3.0", False)],
 )
 def test_the_tested_range(version, tested):
     from tdist._torch.features import in_tested_range
 
-    assert TORCH_REQUIREMENT == ">=2.7,<2.16"
+    assert TORCH_REQUIREMENT == ">=2.13,<2.16"
     assert in_tested_range(version) is tested
 
 
