@@ -54,10 +54,8 @@ TORCH_NEWEST := 2.15.0
 TORCH_PINNED := $(shell sed -n 's/^torch==//p' constraints.txt)
 TORCH_RANGE := $(filter-out $(TORCH_PINNED),$(TORCH_OLDEST) $(TORCH_NEWEST))
 TORCH_WHEELS ?= $(HOME)/.cache/tdist/torch-wheels
-# Not yet here: tests/test_torch_utilities.py, tests/test_torchrun.py and plugins/gloo/tests (never
-# run on 2.15 so far: add them once they pass there).
 TORCH_FACING_TESTS := tests/test_torch_bridge.py tests/test_torch_fallback.py tests/test_torch_names.py \
-    tests/test_store_torch_suite.py
+    tests/test_store_torch_suite.py tests/test_torch_utilities.py tests/test_torchrun.py plugins/gloo/tests
 
 .venv-torch-%/.installed: Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 	$(PYTHON) -m venv .venv-torch-$*

@@ -96,13 +96,15 @@ def mcast_forge(group: str, port: int, seconds: float, names: list[str]) -> None
     """For ``seconds`` (or until SIGTERM): announce a fake process in each job ``names`` (lowest id, to win the
     election) and answer every real process's announcement with an offer of rank 0's place
     in a store this process serves (no token). Each datagram twice: without authentication,
-    and with a MAC under a wrong token. Uses tdist's datagram layout, as an attacker reading
-    the traffic would."""
+    and with a MAC under a wrong token. Also replay, every 50 ms, every authenticated
+    announcement heard (a copy of a real process's, MAC and all, from this host). Uses
+    tdist's datagram layout, as an attacker reading the traffic would."""
+    import dataclasses
     import select
     import signal
 
     from tdist._rendezvous.multicast_socket import MulticastOptions, open_multicast_socket
-    from tdist._rendezvous.multicast_wire import _HEAD, ANNOUNCE, OFFER, Datagram, job_tag, pack
+    from tdist._rendezvous.multicast_wire import _HEAD, ANNOUNCE, OFFER, Datagram, job_tag, pack, source_of
     from tdist._store.tcp_server import TCPStoreServer
 
     address = socket.gethostbyname(socket.gethostname())
@@ -112,8 +114,11 @@ def mcast_forge(group: str, port: int, seconds: float, names: list[str]) -> None
     world_sizes = {tag: 2 for tag in tags}
     offers = {name: 0 for name in names}
     me = bytes(16)
+    source, source_port = source_of((address, port))  # where its datagrams come from, named as a real one would
+    captured: set[bytes] = set()
 
     def send(datagram, tag):
+        datagram = dataclasses.replace(datagram, source=source, source_port=source_port)
         for token in (b"", b"not the job's token"):
             sock.sendto(pack(datagram, tag, token), (group, port))
 
@@ -126,13 +131,17 @@ def mcast_forge(group: str, port: int, seconds: float, names: list[str]) -> None
         if time.monotonic() >= announce_at:
             for tag, world_size in world_sizes.items():
                 send(Datagram(ANNOUNCE, me, world_size, -1, text="forger"), tag)
+            for data in list(captured):
+                sock.sendto(data, (group, port))
             announce_at = time.monotonic() + 0.05
         if not select.select([sock], [], [], 0.05)[0]:
             continue
         data = sock.recv(4096)
         if len(data) < _HEAD.size:
             continue
-        _, _, kind, _, tag, sender, world_size, rank, _, _, _ = _HEAD.unpack_from(data)
+        _, _, kind, authenticated, tag, sender, world_size, rank, *_ = _HEAD.unpack_from(data)
+        if kind == ANNOUNCE and tag in tags and authenticated:
+            captured.add(data)
         if kind == ANNOUNCE and tag in tags and sender != me:
             world_sizes[tag] = world_size
             send(Datagram(OFFER, me, world_size, max(rank, 0), sender, fake.port, address), tag)
@@ -149,14 +158,19 @@ def mcast_ghost(group: str, port: int, name: str, world_size: int) -> None:
     import select
 
     from tdist._rendezvous.multicast_socket import MulticastOptions, open_multicast_socket
-    from tdist._rendezvous.multicast_wire import ANNOUNCE, OFFER, Datagram, job_tag, pack, unpack
+    from tdist._rendezvous.multicast_wire import ANNOUNCE, OFFER, Datagram, job_tag, pack, source_of, unpack
 
     sock, tag, me = open_multicast_socket(MulticastOptions(group, port)), job_tag(name), b"\xff" * 16
+    source, source_port = bytes(16), 0  # learned from its own first datagram, as a real process does
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        sock.sendto(pack(Datagram(ANNOUNCE, me, world_size, -1, text="ghost"), tag, b""), (group, port))
+        announce = Datagram(ANNOUNCE, me, world_size, -1, text="ghost", source=source, source_port=source_port)
+        sock.sendto(pack(announce, tag, b""), (group, port))
         while select.select([sock], [], [], 0.05)[0]:
-            got = unpack(sock.recv(4096), tag, b"")
+            data, origin = sock.recvfrom(4096)
+            got = unpack(data, tag, b"")
+            if isinstance(got, Datagram) and got.sender == me and not source_port:
+                source, source_port = source_of(origin)
             if isinstance(got, Datagram) and got.kind == OFFER and got.recipient == me:
                 print(f"offered {got.rank}", flush=True)
                 return

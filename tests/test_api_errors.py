@@ -88,6 +88,19 @@ def test_unknown_backend_names_installed_and_package():
         dist.DistError, match=r"'nosuch' is not installed \(installed: .*tcp.*\); pip install tdist-nosuch"
     ):
         dist.init_process_group("nosuch", store=dist.HashStore(), rank=0, world_size=1)
+    with pytest.raises(dist.DistError, match=r"'tdist-nosuch' is not installed .*; pip install tdist-nosuch$"):
+        dist.init_process_group("tdist-nosuch", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def test_a_backend_is_found_by_its_torch_name_too():
+    """``"tdist-tcp"``, as torch.distributed and pip know it, is the tcp backend."""
+    dist.init_process_group("tdist-tcp", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0] and dist.get_backend() == "tdist-tcp"
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,26 @@ def test_smoke_all_reduce_two_ranks(tmp_path):
     for r in rows:
         assert r["world"] == 2 and r["op"] == "all_reduce" and r["time_s"] > 0 and r["busbw_GBps"] >= 0
     assert csv.read_text().splitlines()[0].startswith("world,op,bytes,backend,time_s")
+    # progress by default: stderr is not a terminal here, so a line per case
+    assert "[bench] world 2 (1 of 1): starting 2 workers" in proc.stderr
+    assert "[bench] world 2, 1/2: all_reduce 4 B: tcp " in proc.stderr
+    assert "[bench] world 2, 2/2: all_reduce 1 KiB: tcp " in proc.stderr
+
+
+def test_progress_bar_on_a_terminal(capsys):
+    from tdist.bench.workers import Progress
+
+    bar = Progress("bar", 2, 2, under_mpi=False, tty=True)
+    bar.case_done("all_reduce", 4, {"tcp": 1e-5})
+    bar.case_done("barrier", 0, {"tcp": 2e-5})
+    err = capsys.readouterr().err
+    assert err.startswith("\r[bench] world 2 [############............] 1/2 all_reduce 4 B")
+    assert "\r[bench] world 2 [########################] 2/2 barrier" in err and err.endswith("\n")
+    assert Progress("bar", 2, 2, under_mpi=True, tty=True).mode == "lines"  # mpirun forwards output by lines
+    assert Progress("bar", 2, 2, under_mpi=False, tty=False).mode == "lines"
+    quiet = Progress(None, 2, 2, under_mpi=False)
+    quiet.case_done("all_reduce", 4, {"tcp": 1e-5})
+    assert capsys.readouterr().err == ""
 
 
 def test_smoke_every_op_without_mpi(tmp_path):
@@ -77,12 +97,14 @@ def test_smoke_every_op_without_mpi(tmp_path):
             "0.005",
             "--warmup",
             "1",
+            "--quiet",
         ],
         tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"):
         assert f"{op}, 2 ranks" in proc.stdout
+    assert "[bench]" not in proc.stderr  # --quiet: no progress
 
 
 def test_core_overhead_mode(tmp_path):

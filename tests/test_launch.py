@@ -392,7 +392,7 @@ def test_max_restarts_restarts_the_whole_group(tmp_path):
     res = launch(["--nproc-per-node", "2", "--max-restarts", "1", script, "--always"], launcher=TDISTRUN)
     assert res.returncode == 4
     assert res.stdout.count("[rank 1] attempt") == 2
-    assert "tdistrun: rank 1 failed with exit code 4 after 1 restart(s): ValueError: boom" in res.stderr
+    assert "tdistrun: root cause: rank 1 failed with exit code 4 after 1 restart(s): ValueError: boom" in res.stderr
 
 
 # --------------------------------------------------------------------------- failures and signals

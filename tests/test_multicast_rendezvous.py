@@ -11,10 +11,13 @@ route and a switch that drops multicast.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -22,9 +25,9 @@ import pytest
 from tdist.testing.processes import base_env
 from test_multihost import JOB, NET, SIZE, check_job, finish, job_results
 from tdist._errors import DistNetworkError
-from tdist._rendezvous.multicast import Peer, assign_ranks
+from tdist._rendezvous.multicast import Peer, _Rendezvous, assign_ranks
 from tdist._rendezvous.multicast_socket import MulticastOptions
-from tdist._rendezvous.multicast_wire import ANNOUNCE, OFFER, Datagram, Rejected, job_tag, pack, unpack
+from tdist._rendezvous.multicast_wire import ANNOUNCE, OFFER, Datagram, Rejected, job_tag, pack, source_of, unpack
 from tdist.testing.cluster import Cluster, unavailable_reason
 
 GROUP4 = "239.255.77.1"
@@ -51,6 +54,46 @@ def test_datagrams_are_authenticated_and_kept_per_group():
     assert unpack(pack(offer, tag, token)[:-1], tag, token) is Rejected.MALFORMED
     assert unpack(pack(Datagram(ANNOUNCE, b"s" * 16, 2, 2), tag, b""), tag, b"") is Rejected.MALFORMED  # rank 2 of 2
     assert unpack(b"\x00" * 200, tag, b"") is None and unpack(b"TDMC", tag, b"") is None
+
+
+def test_announcements_are_taken_only_from_the_source_they_name(monkeypatch):
+    """A captured authenticated announcement replayed from another port or another address
+    is dropped (counted), also when heard before the real one: a process's address in the
+    rank table is the one its own datagrams name. A process learns its own source from
+    its first datagram; others' datagrams that name no source yet are skipped, not counted."""
+    monkeypatch.setenv("TDIST_STORE_TOKEN", "multicast-test-token")
+    tag, token = job_tag("g"), b"multicast-test-token"
+    udp = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(4)]
+    try:
+        listener, genuine, other_port, other_address = udp
+        for sock, address in zip(udp, ("127.0.0.1", "127.0.0.1", "127.0.0.1", "127.0.0.2")):
+            sock.bind((address, 0))
+        listener.setblocking(False)
+        where = listener.getsockname()
+        rendezvous = _Rendezvous(listener, MulticastOptions(GROUP4, PORT), "g", -1, 3, timeout=10)
+        peer = b"p" * 16
+        source, source_port = source_of(genuine.getsockname())
+        announce = Datagram(ANNOUNCE, peer, 3, -1, text="h0", source=source, source_port=source_port)
+        captured = pack(announce, tag, token)
+        other_port.sendto(captured, where)  # replays, heard first
+        other_address.sendto(captured, where)
+        genuine.sendto(pack(dataclasses.replace(announce, source_port=0), tag, token), where)  # no source yet
+        genuine.sendto(captured, where)
+        got = rendezvous.receive(time.monotonic() + 10)
+        assert got is not None and got[0] == announce and got[1] == genuine.getsockname()
+        assert rendezvous.rejected == {Rejected.WRONG_SOURCE: 2}
+        assert rendezvous.peers[peer].address == "127.0.0.1" and list(rendezvous.peers) == [peer]
+        listener.sendto(pack(rendezvous.announcement(), tag, token), where)  # its own first datagram
+        got = rendezvous.receive(time.monotonic() + 10)
+        assert got is not None and rendezvous.source == source_of(where)
+        assert rendezvous.announcement().source_port == where[1] and rendezvous.me in rendezvous.peers
+        offer = Datagram(OFFER, peer, 3, 1, rendezvous.me, 40000, "127.0.0.1", source, source_port)
+        other_port.sendto(pack(offer, tag, token), where)  # an offer replayed from elsewhere: dropped too
+        assert rendezvous.receive(time.monotonic() + 0.5) is None
+        assert rendezvous.rejected == {Rejected.WRONG_SOURCE: 3}
+    finally:
+        for sock in udp:
+            sock.close()
 
 
 def test_rank_table():

@@ -37,15 +37,26 @@ def test_avg_and_premul_sum_become_sums():
     assert _plan(ReduceOp.AVG, torch.float32).op is ReduceOp.AVG
     divided = _plan(ReduceOp.AVG, torch.float32, native_avg=False)
     assert (divided.op, divided.divide) == (ReduceOp.SUM, True)
+    integer = _plan(ReduceOp.AVG, torch.int64)  # a library's AVG is for floats unless it says otherwise
+    assert (integer.op, integer.divide) == (ReduceOp.SUM, True)
+    assert not _plan(ReduceOp.AVG, torch.int64, native_int_avg=True).divide
     premul = _plan(make_premul_sum(0.5), torch.float64)
     assert (premul.op, premul.prescale) == (ReduceOp.SUM, True)
+
+
+def test_integer_avg_truncates_toward_zero_as_nccl():
+    from tdist.plugin import finalize_
+
+    summed = torch.tensor([7, -7, 6, -1], dtype=torch.int64)
+    assert finalize_(summed, Reduction(ReduceOp.AVG), 2).tolist() == [3, -3, 3, 0]
+    assert finalize_(torch.tensor([7.0]), Reduction(ReduceOp.AVG), 2).tolist() == [3.5]
 
 
 @pytest.mark.parametrize(
     "op, dtype, error, words",
     [
         (ReduceOp.BAND, torch.float32, TypeError, "BAND needs an integer"),
-        (ReduceOp.AVG, torch.int64, TypeError, "AVG needs a floating-point"),
+        (ReduceOp.AVG, torch.bool, TypeError, "AVG is not defined for bool"),
         (ReduceOp.MIN, torch.complex64, TypeError, "not supported for complex"),
         (ReduceOp.PREMUL_SUM, torch.float32, ValueError, "needs a factor"),
         (ReduceOp.SUM, torch.uint8, TypeError, "cannot reduce torch.uint8 tensors with ReduceOp.SUM"),

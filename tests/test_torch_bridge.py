@@ -251,6 +251,18 @@ def test_ranks_that_disagree_on_the_backend_fail_at_once(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_a_tdist_side_group_beside_torchs_gloo_default_group(tmp_path):
+    """torch's default group on gloo, a side group on tdist-tcp: the side group's
+    collectives and its monitored_barrier work without a tdist default group."""
+    job = python_job([os.path.join(TESTS, "torch_programs.py"), "side", "--out", str(tmp_path)], 2, timeout=JOB_TIMEOUT)
+    for res in job:
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for res in _results(tmp_path):
+        assert res["sum"] == [3.0, 3.0] and res["backend"] == "tdist-tcp", res
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kit_through_torchs_api():
     """Every conformance body -- written against torch.distributed's API -- and the torch

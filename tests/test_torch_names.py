@@ -20,11 +20,35 @@ import torch.distributed as td
 _NOT_TAKEN = {"init_process_group": {"_ranks"}}  # private to torch
 
 
+def _torch_public_names() -> list[str]:
+    return sorted(name for name in dir(td) if not name.startswith("_"))
+
+
+def test_every_public_name_of_torch_distributed_is_in_tdist():
+    """``import tdist as dist`` keeps a torch.distributed program's names working: each is
+    tdist's own, torch's own object (``tdist._torch_names.FROM_TORCH``), or listed with a
+    reason in ``NOT_PROVIDED``."""
+    from tdist._torch_names import NOT_PROVIDED
+
+    missing = [name for name in _torch_public_names() if name not in NOT_PROVIDED and not hasattr(dist, name)]
+    assert not missing, f"torch.distributed names tdist lacks: {missing}"
+    for name in ("breakpoint", "_coalescing_manager", "rpc", "DeviceMesh", "init_device_mesh", "AllreduceOptions"):
+        assert getattr(dist, name) is not None and name in dir(dist), name
+    assert dist.get_debug_level is td.get_debug_level and dist.rpc is td.rpc
+    import torch.distributed.elastic  # noqa: F401 - a subpackage some program imported: in torch's namespace now
+
+    assert dist.elastic is td.elastic
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        dist.no_such_name  # noqa: B018
+
+
 def _shared_functions() -> list[str]:
     names = []
-    for name in dist.__all__:
-        ours, theirs = getattr(dist, name), getattr(td, name, None)
-        if theirs is None or inspect.isclass(ours) or not callable(ours) or not callable(theirs):
+    for name in sorted({*dist.__all__, *_torch_public_names(), "_coalescing_manager"}):
+        ours, theirs = getattr(dist, name, None), getattr(td, name, None)
+        if ours is None or theirs is None or ours is theirs:
+            continue
+        if inspect.isclass(ours) or not callable(ours) or not callable(theirs):
             continue
         try:
             inspect.signature(theirs)

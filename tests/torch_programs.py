@@ -3,11 +3,15 @@ processes (under torchrun, or with RANK/WORLD_SIZE/MASTER_* set as a launcher wo
 
     python tests/torch_programs.py train --backend tdist-tcp --out DIR
     python tests/torch_programs.py disagree --out DIR --port PORT
+    python tests/torch_programs.py side --out DIR
 
 ``train`` is a plain torch program that never imports tdist: torch's extension
 autoloading registered ``tdist-<name>``; it trains torch's DistributedDataParallel with a
 DistributedSampler and compares with one process on the full data. ``disagree`` starts
 a world whose ranks name different backends, through tdist's API and through torch's.
+``side`` keeps torch's default group on torch's gloo and makes a side group on
+``tdist-tcp`` (tdist itself is never initialised): collectives and the group's
+``monitored_barrier`` work on it.
 Each rank writes what it saw to ``DIR/rank<N>.json``.
 """
 
@@ -109,14 +113,26 @@ def disagree(port: int) -> dict:
     return result
 
 
+def side() -> dict:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    group = dist.new_group(backend="tdist-tcp")
+    t = torch.full((2,), float(dist.get_rank() + 1))
+    dist.all_reduce(t, group=group)
+    group.monitored_barrier(timedelta(seconds=30))
+    result = {"rank": dist.get_rank(), "sum": t.tolist(), "backend": str(dist.get_backend(group))}
+    dist.destroy_process_group()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("train", "disagree"))
+    parser.add_argument("mode", choices=("train", "disagree", "side"))
     parser.add_argument("--backend", default="tdist-tcp")
     parser.add_argument("--out", required=True)
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
-    result = train(args.backend) if args.mode == "train" else disagree(args.port)
+    modes = {"train": lambda: train(args.backend), "disagree": lambda: disagree(args.port), "side": side}
+    result = modes[args.mode]()
     with open(os.path.join(args.out, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(result, f)
 

@@ -91,15 +91,33 @@ from ._store import (
 from ._store.tls import TlsConfig, TlsError
 from ._subgroups import new_subgroups, new_subgroups_by_enumeration
 from ._work import Work
+from ._torch_names import _coalescing_manager as _coalescing_manager, breakpoint, from_torch as _from_torch
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
 from ._torch import register_with_torch as _register_with_torch
+from ._errorfile import install as _install_error_file
 
 from ._version import __version__ as __version__
 
 _register_with_torch()  # torch.distributed.init_process_group("tdist-tcp") works after `import tdist`
+_install_error_file()  # under tdistrun: an uncaught exception leaves the launcher a record (TDIST_ERROR_FILE)
 
 #: torch.distributed's private spelling of :func:`make_premul_sum`.
 _make_nccl_premul_sum = make_premul_sum
+
+
+def __getattr__(name: str) -> object:
+    """torch.distributed's own objects under their names (``tdist.rpc``, ``tdist.DeviceMesh``,
+    ``tdist.AllreduceOptions``, ...: :data:`tdist._torch_names.FROM_TORCH`), looked up on first use."""
+    value = _from_torch(name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    from ._torch_names import FROM_TORCH
+
+    return sorted({*globals(), *FROM_TORCH})
+
 
 __all__ = [
     # setup
@@ -152,6 +170,7 @@ __all__ = [
     "all_to_all_single",
     "barrier",
     "monitored_barrier",
+    "breakpoint",
     "all_gather_single",
     "reduce_scatter_single",
     "all_reduce_coalesced",

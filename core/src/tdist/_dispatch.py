@@ -102,6 +102,11 @@ def contiguous_view(tensor: "torch.Tensor", copies: Optional[list], output: bool
     return staged
 
 
+#: The groups inside ``_coalescing_manager`` (:mod:`tdist._torch_names`), each with the
+#: Works issued on it there: they run at once, asynchronously, and the manager waits.
+coalescing: dict[ProcessGroup, list[Work]] = {}
+
+
 def issue(
     pg: ProcessGroup,
     operation: str,
@@ -123,6 +128,15 @@ def issue(
     ``tensors``, ``reduction``, ``root``/``peer`` (group ranks) and ``tag`` describe the
     operation to the work hooks (ignored when none observe).
     """
+    collect = coalescing.pop(pg, None) if coalescing else None
+    if collect is not None:  # inside _coalescing_manager: issue asynchronously, the manager waits
+        try:
+            work = issue(pg, operation, device, call, True, copies, tensors, reduction, root, peer, tag)
+        finally:
+            coalescing[pg] = collect
+        assert work is not None
+        collect.append(work)
+        return work if async_op else None
     backend = pg.backend_for(device, operation)
     p2p = operation in POINT_TO_POINT
     if pg.check_collectives and not p2p:

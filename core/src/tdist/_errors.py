@@ -21,6 +21,7 @@ __all__ = [
     "DistStateError",
     "NotInitializedAssertion",
     "backend_error",
+    "failed_peer",
 ]
 
 
@@ -29,7 +30,16 @@ class DistError(RuntimeError):
 
 
 class DistBackendError(DistError):
-    """A backend failed: a peer died, data did not match, or the group broke."""
+    """A backend failed: a peer died, data did not match, or the group broke.
+
+    ``failed_peer``: set by the backend when this error is the consequence of another
+    rank's failure (the peer died, shut its group down, aborted it or was interrupted):
+    that rank's global rank, or ``-1`` when the backend cannot tell which. None: this rank's
+    own failure, a timeout, or not known. (``tdistrun`` uses it to name the rank that failed
+    first; :func:`failed_peer` finds it in an exception's causes.)
+    """
+
+    failed_peer: Optional[int] = None
 
 
 class DistStoreError(DistError):
@@ -80,3 +90,21 @@ def backend_error(backend: str, operation: str, exc: BaseException, detail: Opti
     error = cls(f"{operation}: backend {backend!r} failed: {text}")
     error.__cause__ = exc
     return error
+
+
+def failed_peer(exc: Optional[BaseException]) -> Optional[int]:
+    """Whether ``exc`` is the consequence of another rank's failure: the
+    :attr:`DistBackendError.failed_peer` of the first such error in ``exc``, its causes or
+    contexts (``-1``: a peer, not known which), else None."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        error = stack.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        peer = getattr(error, "failed_peer", None) if isinstance(error, DistBackendError) else None
+        if isinstance(peer, int):
+            return peer
+        stack.extend((error.__context__, error.__cause__))  # the cause is looked at first
+    return None

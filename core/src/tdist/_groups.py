@@ -193,16 +193,21 @@ def _require_init() -> ProcessGroup:
 def resolve_group(group: Any) -> Optional[ProcessGroup]:
     """The :class:`ProcessGroup` for a ``group=`` argument; None for a non-member handle.
 
-    Raises if the package is not initialized or ``group`` is not a group.
+    Raises if the package is not initialized or ``group`` is not a group. A torch group of
+    a tdist backend needs no tdist default group: torch's may be another backend's.
     """
-    world = _require_init()
-    if group is None or group is world.torch_group:
-        return world
+    world = STATE.world
+    if group is None or (world is not None and group is world.torch_group):
+        return _require_init()
     if group is GroupMember.NON_GROUP_MEMBER:
         return None
     mirrored = getattr(group, "tdist_group", None)  # a torch.distributed group made by tdist (tdist._torch)
     if mirrored is not None:
+        if world is None:  # torch made it beside its own default group, and owns it
+            return mirrored
         group = mirrored
+    elif world is None:
+        _require_init()
     elif type(group) is int and group == _TORCH_NON_MEMBER:
         return None
     if isinstance(group, ProcessGroup):

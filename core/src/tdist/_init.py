@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
-import time
 import urllib.parse
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 from . import _torch as bridging
 from ._backend import Backend, BackendSpec
-from ._errors import DistError, DistStateError, DistStoreTimeoutError, NotInitializedAssertion
+from ._errors import DistError, DistStateError, NotInitializedAssertion
 from ._groups import STATE, GroupMember, ProcessGroup, resolve_group
+from ._join import enter_incarnation, join
 from ._plugins import plugins
 from ._secret import secret_argument as _secret_argument
 from ._store import PrefixStore
@@ -173,63 +173,6 @@ def _rendezvous(
     return store, rank, world_size
 
 
-def join(store: Store, key: str, rank: int, members: Sequence[int], timeout: timedelta, backend: str = "") -> None:
-    """Block until every rank in ``members`` has called ``join`` with the same ``key``.
-
-    On timeout, raise naming the ranks that never arrived. With ``backend``, the ranks
-    must all have named the same backend: the first member compares them and publishes
-    its verdict, so on a difference every member raises the same DistError (and nothing
-    else is communicated).
-    """
-    store.set(f"{key}/joined/{rank}", backend or b"1")
-    deadline = time.monotonic() + timeout.total_seconds()
-    missing = list(members)
-    while missing:
-        remaining = deadline - time.monotonic()
-        try:
-            store.wait([f"{key}/joined/{missing[0]}"], timeout=max(remaining, 0.001))
-        except DistStoreTimeoutError:
-            missing = [r for r in missing if not store.check([f"{key}/joined/{r}"])]
-            if not missing:
-                break
-            raise DistStoreTimeoutError(
-                f"{key}: rank {rank} waited {timeout.total_seconds():g} s but rank(s) {missing} never arrived "
-                f"(of {len(members)} expected)"
-            ) from None
-        missing.pop(0)
-    if backend:
-        _agree_on_backend(store, key, rank, list(members), timeout)
-
-
-#: How long the first member, having found ranks that disagree, waits for the others to
-#: read its verdict before it raises (and its store may close).
-_VERDICT_GRACE_S = 10.0
-
-
-def _agree_on_backend(store: Store, key: str, rank: int, members: list[int], timeout: timedelta) -> None:
-    if rank != members[0]:
-        verdict = store.get(f"{key}/verdict", timeout=timeout.total_seconds()).decode()
-        if verdict != "ok":
-            store.set(f"{key}/read/{rank}", b"1")
-            raise DistError(verdict)
-        return
-    named = {r: store.get(f"{key}/joined/{r}").decode() for r in members}
-    if len(set(named.values())) == 1:
-        store.set(f"{key}/verdict", b"ok")
-        return
-    by_backend: dict[str, list[int]] = {}
-    for r, name in named.items():
-        by_backend.setdefault(name, []).append(r)
-    listing = "; ".join(f"{name!r} on rank(s) {ranks}" for name, ranks in by_backend.items())
-    message = f"{key}: the ranks disagree on the backend: {listing}"
-    store.set(f"{key}/verdict", message)
-    try:
-        store.wait([f"{key}/read/{r}" for r in members[1:]], timeout=min(_VERDICT_GRACE_S, timeout.total_seconds()))
-    except DistStoreTimeoutError:
-        pass  # a rank that does not read the verdict fails on its own (its backend sees no peers)
-    raise DistError(message)
-
-
 def _build_group(
     name: str,
     ranks: list[int],
@@ -327,6 +270,7 @@ def init_process_group(
     try:
         if bridge_wanted:  # again, now that rank and world size are known
             bridge = bridging.torch_is_free(rank, world_size)
+        store = enter_incarnation(store, rank, world_size, timeout)  # owns the rendezvous' store
         join(store, "tdist/init", rank, range(world_size), timeout, backend=display)
         world = _build_group("pg0", list(range(world_size)), rank, devices, display, store, timeout, options)
     except BaseException:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import pluggy
+from tdist_autoload import PREFIX as _TORCH_PREFIX  # "tdist-": the name torch and pip know a backend by
 
 from . import hookspecs
 from ._backend import BackendSpec
@@ -98,7 +99,11 @@ class BackendRegistry:
         self._specs[name] = self._owned(spec, plugin)
 
     def get(self, name: str) -> Optional[BackendSpec]:
+        """The spec of backend ``name``; ``"tdist-<name>"`` (the name torch.distributed knows
+        it by, and its distribution's) finds ``<name>`` too."""
         name = name.lower()
+        if name.startswith(_TORCH_PREFIX) and name not in self._specs and name not in self._deferred:
+            name = name[len(_TORCH_PREFIX) :]
         if name in self._deferred:
             self._resolve(name)
         return self._specs.get(name)
@@ -421,7 +426,8 @@ class Plugins:
         broken = [r for r in self.records if r.error and r.name == name]
         if broken:
             return f"backend {name!r} is installed but could not be loaded: {broken[0].error} (installed: {installed})"
-        return f"backend {name!r} is not installed (installed: {installed}); pip install tdist-{name}"
+        distribution = name if name.lower().startswith(_TORCH_PREFIX) else _TORCH_PREFIX + name
+        return f"backend {name!r} is not installed (installed: {installed}); pip install {distribution}"
 
 
 _lock = threading.Lock()

@@ -16,7 +16,8 @@ class ReduceOp(enum.Enum):
 
     ``PREMUL_SUM`` multiplies every rank's input by a factor before summing;
     build it with :func:`make_premul_sum` (``ReduceOp.PREMUL_SUM`` alone has no factor).
-    ``AVG`` divides the sum by the group size (floating-point and complex tensors only).
+    ``AVG`` divides the sum by the group size (integers: truncated toward zero, as
+    NCCL's average; not defined for bool).
     """
 
     SUM = "sum"

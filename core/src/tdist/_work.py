@@ -190,18 +190,9 @@ class Work:
 
     def get_future(self) -> Any:
         """A ``torch.futures.Future`` completed with :meth:`result` (or the error)."""
-        import torch
+        from ._futures import future_of
 
-        future: Any = torch.futures.Future()
-
-        def _resolve(work: "Work") -> None:
-            if work._exc is not None:
-                future.set_exception(work._exc)
-            else:
-                future.set_result(list(work._result))
-
-        self.add_done_callback(_resolve)
-        return future
+        return future_of(self, lambda: list(self._result))
 
     def __repr__(self) -> str:
         state = "pending" if not self.is_completed() else ("failed" if self._exc else "done")

@@ -34,7 +34,8 @@ The workers' environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORL
 ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_USE_AGENT_STORE``,
 ``TORCHELASTIC_ERROR_FILE``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``OMP_NUM_THREADS=1``
 with several workers (unless set), as torchrun sets them; and tdist's
-``TDIST_STORE_PREFIX`` (the keys of this attempt in the agent's store), plus, with
+``TDIST_STORE_PREFIX`` (the keys of this attempt in the agent's store) and
+``TDIST_ERROR_FILE`` (where the worker records the exception that ends it), plus, with
 ``TDIST_STORE_TOKEN`` set, ``TDIST_STORE_ADDR``/``TDIST_STORE_PORT`` (below).
 ``tdist.init_process_group`` (``env://``) joins the agent's store as a client: the
 store listens from the moment the agent starts to its end, so no port is ever free
@@ -44,8 +45,10 @@ which makes torchrun leave such a port free, is ignored).
 Restarts: when a worker fails, every worker of the node is stopped (SIGTERM, SIGKILL
 after the grace period) and, while restarts are left (``--max-restarts``, default 0),
 the agents rendezvous again and start a fresh group; ``TORCHELASTIC_RESTART_COUNT``
-says which attempt a worker belongs to. With no restarts left, the launcher exits
-with the failed worker's exit status, naming its rank.
+says which attempt a worker belongs to. With no restarts left, the launcher names the
+root cause -- the worker that failed first on its own (each worker records the exception
+that ends it in ``TDIST_ERROR_FILE``: see :mod:`tdist._errorfile`), with the end of its
+traceback, and the ranks that failed because it did -- and exits with its exit status.
 
 Beyond torchrun:
 
@@ -308,24 +311,52 @@ def _signal_handlers(names: str) -> dict[int, Any]:
     return {s: signal.getsignal(s) for s in signums if isinstance(s, signal.Signals)}
 
 
+#: Lines of the root cause's traceback the launcher prints.
+TRACEBACK_LINES = 8
+
+
 def _report(agent: Any, result: Any) -> int:
-    """The launcher's exit status for the agent's ``result``, with a message when it failed."""
+    """The launcher's exit status for the agent's ``result``, with the root cause when it
+    failed: the earliest failure that is not the consequence of another rank's (by the
+    workers' error records; else the first seen), its traceback's last lines, and how
+    each other failed worker followed."""
     from torch.distributed.elastic.agent.server.api import WorkerState
+
+    from ._errorfile import root_cause
 
     if result.state == WorkerState.SUCCEEDED:
         return 0
     after = f" after {agent.restarts_done} restart(s)" if agent.restarts_done else ""
-    failure = agent.first_failure()
-    if failure is None:
+    failures = agent.failures()
+    root = root_cause(failures)
+    if root is None or root.exitcode is None:
         log(f"the worker group ended {result.state.name}{after}")
         return 1
-    rank, process = failure
-    detail = ""
-    if os.path.isfile(process.error_file):  # written by a script whose main is decorated with torch's @record
-        message = process.message.get("message") if isinstance(process.message, dict) else process.message
-        detail = f": {message}" if message else ""
-    log(f"rank {rank} failed with {describe_status(process.exitcode)}{after}{detail}")
-    return exit_status(process.exitcode)
+    headline = f": {root.headline}" if root.headline else ""
+    code = root.exitcode
+    status = f" with {describe_status(code)}"
+    if root.stopped and root.record is not None:  # it raised, and was still exiting when the others were stopped
+        status, headline, code = "", f"{headline} (it was still exiting when the launcher stopped it)", 1
+    if not root.consequence:
+        log(f"root cause: rank {root.rank} failed{status}{after}{headline}")
+    else:  # every failure here followed another rank's (one on another node, or one that recorded nothing)
+        cause = f"rank {root.peer}" if root.peer is not None else "another rank"
+        log(f"rank {root.rank} failed first here{status}{after}, because {cause} failed{headline}")
+    for line in root.traceback_tail(TRACEBACK_LINES):
+        log(f"  {line}")
+    for other in failures:
+        if other is root:
+            continue
+        what = f": {other.headline}" if other.headline else f" ({describe_status(other.exitcode or 0)})"
+        if other.consequence:
+            if not root.consequence:
+                cause = f"rank {root.rank}"
+            else:
+                cause = f"rank {other.peer}" if other.peer is not None else "another rank"
+            log(f"rank {other.rank} failed because {cause} did{what}")
+        else:
+            log(f"rank {other.rank} failed too, after rank {root.rank}{what}")
+    return exit_status(code)
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -348,6 +379,7 @@ def launch(args: argparse.Namespace) -> int:
     own_log_dir = None
     if args.log_dir is None:
         own_log_dir = args.log_dir = tempfile.mkdtemp(prefix="tdistrun-")
+    error_dir = tempfile.mkdtemp(prefix="tdistrun-errors-")  # mode 0700: the workers' error records
     previous = _signal_handlers(args.signals_to_handle)
     tdist_store = agent = None
     try:
@@ -372,6 +404,7 @@ def launch(args: argparse.Namespace) -> int:
             tdist_store=tdist_store,
             log=log,
             extra_env=extra_env,
+            error_dir=error_dir,
         )
         status = _report(agent, run_agent(agent, config))
         if status and args.debug_dump is not None:
@@ -399,6 +432,7 @@ def launch(args: argparse.Namespace) -> int:
             signal.signal(signum, handler)
         if tdist_store is not None:
             tdist_store.stop()
+        shutil.rmtree(error_dir, ignore_errors=True)
         if own_log_dir is not None:
             if args.redirects == "0" and args.tee == "0":
                 shutil.rmtree(own_log_dir, ignore_errors=True)

@@ -82,7 +82,8 @@ def check_reduction(op: Reduction, dtype: Any, backend_name: str = "reduce") -> 
     """Raise if ``op`` cannot reduce tensors of ``dtype``; call it before communicating.
 
     ``backend_name`` (a backend or operation name) prefixes the message. Rules:
-    BAND/BOR/BXOR need an integer or bool dtype; AVG a floating-point or complex one;
+    BAND/BOR/BXOR need an integer or bool dtype; AVG any but bool (integers: the sum
+    divided by the group size, truncated toward zero, as NCCL defines it);
     MIN/MAX/PRODUCT are not supported on complex tensors (as in torch.distributed);
     PREMUL_SUM needs a factor (a number or one-element tensor) that the dtype can
     hold (no float factor for integers, no complex factor for real tensors) and is
@@ -114,11 +115,8 @@ def _check_reduction(op: Reduction, dtype: Any, backend_name: str) -> None:
         if kind not in ("int", "bool"):
             raise TypeError(f"{backend_name}: ReduceOp.{code.name} needs an integer or bool tensor, got {dtype}")
     elif code is ReduceOp.AVG:
-        if kind not in ("float", "complex"):
-            raise TypeError(
-                f"{backend_name}: ReduceOp.AVG needs a floating-point or complex tensor, got {dtype} "
-                "(use SUM and divide yourself)"
-            )
+        if kind == "bool":
+            raise TypeError(f"{backend_name}: ReduceOp.AVG is not defined for bool tensors (use SUM or MAX)")
     elif code in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
         if kind == "complex":  # as in torch.distributed (supports_complex): complex is reduced as real pairs
             raise TypeError(f"{backend_name}: ReduceOp.{code.name} is not supported for complex tensors ({dtype})")
@@ -217,9 +215,13 @@ def prescaled(tensor: "torch.Tensor", op: Reduction) -> "torch.Tensor":
 
 
 def finalize_(tensor: "torch.Tensor", op: Reduction, world_size: int) -> "torch.Tensor":
-    """Finish a reduction in place: AVG divides by ``world_size``; others are unchanged."""
+    """Finish a reduction in place: AVG divides by ``world_size`` (integers: truncated
+    toward zero, as NCCL's integer average); others are unchanged."""
     if op.op is ReduceOp.AVG:
-        tensor.div_(world_size)
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.div_(world_size)
+        else:
+            tensor.div_(world_size, rounding_mode="trunc")
     return tensor
 
 
@@ -257,13 +259,15 @@ def plan_reduction(
     widen: Optional[Mapping[Any, Any]] = None,
     complex_as_real: bool = False,
     native_avg: bool = True,
+    native_int_avg: bool = False,
     backend: str = "backend",
     operation: str = "reduce",
 ) -> ReductionPlan:
     """Check ``reduction`` on ``dtype`` (:func:`check_reduction`'s rules) and say how a
     library that reduces the dtypes in ``native`` runs it: complex tensors as their real
     view (``complex_as_real``), other dtypes in the wider dtype ``widen`` maps them to,
-    AVG as SUM then a division unless ``native_avg``, PREMUL_SUM as a prescale then SUM.
+    AVG as SUM then a division unless ``native_avg`` (integers: always, unless
+    ``native_int_avg``), PREMUL_SUM as a prescale then SUM.
     Raises ``TypeError`` (``ValueError`` for a bad factor) before anything is sent, naming
     ``operation`` and ``backend``."""
     check_reduction(reduction, dtype, f"{operation}: backend {backend!r}")
@@ -281,6 +285,7 @@ def plan_reduction(
                 "(it has no arithmetic for that dtype)"
             )
         compute = wider
-    divide = op is ReduceOp.AVG and not native_avg
+    integer = not (dtype.is_floating_point or dtype.is_complex)
+    divide = op is ReduceOp.AVG and not (native_int_avg if integer else native_avg)
     applied = ReduceOp.SUM if op is ReduceOp.PREMUL_SUM or divide else op
     return ReductionPlan(applied, dtype, compute, as_real, op is ReduceOp.PREMUL_SUM, divide)

@@ -220,7 +220,6 @@ def premul_avg_complex() -> int:
     for what, call in (
         ("BAND float32", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
         ("PRODUCT complex64", lambda: dist.all_reduce(torch.ones(2, dtype=torch.complex64), op=dist.ReduceOp.PRODUCT)),
-        ("AVG int64", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)),
         (
             "PREMUL_SUM(0.5) int32",
             lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.make_premul_sum(0.5)),

@@ -85,6 +85,13 @@ def test_plans(op, dtype, kind):
     assert plan.flip == (dtype == torch.uint64 and op in ("MIN", "MAX"))
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint64])
+def test_integer_avg_is_a_sum_then_a_division(dtype):
+    """gloo has no integer AVG: it sums, and the result is divided (truncated) afterwards."""
+    plan = plans.make_plan(tdist.ReduceOp.AVG, dtype, "all_reduce", None)
+    assert plan.divide and plan.torch_op == plans.make_plan(tdist.ReduceOp.SUM, dtype, "all_reduce", None).torch_op
+
+
 @pytest.mark.parametrize(
     "op, dtype, factor",
     [
@@ -92,7 +99,6 @@ def test_plans(op, dtype, kind):
         ("BOR", torch.float8_e4m3fn, None),
         ("PRODUCT", torch.complex64, None),
         ("MAX", torch.complex64, None),
-        ("AVG", torch.int32, None),
         ("AVG", torch.bool, None),
         ("PREMUL_SUM", torch.int64, 0.5),
         ("PREMUL_SUM", torch.bool, 2),

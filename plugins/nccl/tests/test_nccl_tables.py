@@ -223,7 +223,16 @@ def test_unreducible_dtypes_and_missing_bfloat16():
     with pytest.raises(TypeError, match="NCCL >= 2.10"):
         dtypes.plan_reduction(FakeNccl(), 20907, torch.bfloat16, Reduction(ReduceOp.SUM), "all_reduce")
     with pytest.raises(TypeError, match="AVG"):
-        dtypes.plan_reduction(FakeNccl(), 21803, torch.int64, Reduction(ReduceOp.AVG), "all_reduce")
+        dtypes.plan_reduction(FakeNccl(), 21803, torch.bool, Reduction(ReduceOp.AVG), "all_reduce")
+
+
+def test_integer_avg_is_ncclavg_or_a_truncating_division():
+    """Integer AVG as NCCL defines it: the sum divided by the ranks, truncated toward zero."""
+    native = dtypes.plan_reduction(FakeNccl(), 21803, torch.int64, Reduction(ReduceOp.AVG), "all_reduce")
+    assert not native.divide and native.nccl_op == FakeNccl().NCCL_AVG
+    old = dtypes.plan_reduction(FakeNccl(version=20907), 20907, torch.int32, Reduction(ReduceOp.AVG), "all_reduce")
+    assert old.divide
+    assert dtypes.average_(torch.tensor([7, -7, 6], dtype=torch.int32), 2).tolist() == [3, -3, 3]
 
 
 @pytest.mark.parametrize(

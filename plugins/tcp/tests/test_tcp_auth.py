@@ -267,13 +267,15 @@ def test_token_from_the_environment_protects_a_file_rendezvous(tmp_path):
     ]
     try:
         shared = FileStore(path, -1, timeout=60)
-        shared.wait(["tdist/init/joined/0"], timeout=60)
+        world = PrefixStore("tdist/world/" + shared.get("tdist/incarnation", timeout=60).decode().split()[0], shared)
+        world.wait(["tdist/init/joined/0"], timeout=60)
         # rank 0 now believes rank 1 arrived, and named the same backend
-        shared.set("tdist/init/joined/1", shared.get("tdist/init/joined/0"))
-        store = PrefixStore("tcp", PrefixStore("pg0", shared))
+        world.set("tdist/init/joined/1", world.get("tdist/init/joined/0"))
+        store = PrefixStore("tcp", PrefixStore("pg0", world))
         store.wait(["tcp/addr/0"], timeout=60)
         with pytest.raises(DistNetworkError, match="did not prove it knows this group's key"):
             mesh._connect_one(store, 0, 1, 2, b"\x01" * 32, time.monotonic() + 20, 0, True)
+        world.delete_key("tdist/init/joined/1")  # else the real rank 1 is refused as a second rank 1
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-c", _RANK_PROGRAM, "1", path],

@@ -270,7 +270,7 @@ def test_reduction_errors_raise_before_communicating():
                 b.all_reduce(torch.ones(2), Reduction(ReduceOp.BAND))
             with pytest.raises(TypeError):
                 b.reduce_scatter(
-                    torch.ones(1, dtype=torch.int32), [torch.ones(1, dtype=torch.int32)] * 2, Reduction(ReduceOp.AVG)
+                    torch.ones(1, dtype=torch.bool), [torch.ones(1, dtype=torch.bool)] * 2, Reduction(ReduceOp.AVG)
                 )
         t = torch.ones(2)
         b.all_reduce(t, SUM).wait()  # sequence numbers still agree

@@ -12,6 +12,9 @@ Beyond torchrun's variables, each worker gets (see ``docs/pages/guide/launch.md`
 - with ``TDIST_STORE_TOKEN`` set, ``TDIST_STORE_ADDR``/``TDIST_STORE_PORT``: an
   authenticated tdist TCPStore that the agent of group rank 0 has listened on since it
   started (torch's agent store cannot authenticate). ``env://`` prefers it.
+- with an ``error_dir``, ``TDIST_ERROR_FILE``: where the worker's uncaught exception is
+  recorded (:mod:`tdist._errorfile`; a fresh file per worker and start), so that the
+  launcher names the rank that failed first on its own.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.utils import macros
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 
+from .._errorfile import ENV as ERROR_FILE_ENV
+from .._errorfile import Failure
 from .._store import TCPStoreServer
 from .processes import WorkerProcesses
 
@@ -54,7 +59,8 @@ class TdistAgent(LocalElasticAgent):
     ``prefix_template``: the console prefix of each line (None: no prefix).
     ``tdist_store``: the authenticated store this agent hosts (token mode), else None.
     ``log``: receives the launcher's messages. ``extra_env``: more variables for every
-    worker (``--debug-dump``'s).
+    worker (``--debug-dump``'s). ``error_dir``: a directory only this user can enter, where
+    the workers record their uncaught exceptions (None: they do not).
     """
 
     def __init__(
@@ -67,6 +73,7 @@ class TdistAgent(LocalElasticAgent):
         tdist_store: Optional[TCPStoreServer],
         log: Callable[[str], None],
         extra_env: Optional[dict[str, str]] = None,
+        error_dir: Optional[str] = None,
     ) -> None:
         super().__init__(
             spec,
@@ -79,6 +86,8 @@ class TdistAgent(LocalElasticAgent):
         self.tdist_store = tdist_store
         self.log = log
         self.extra_env = dict(extra_env or {})
+        self.error_dir = error_dir
+        self._starts = 0  # worker group starts so far (restarts that are not counted too)
 
     # ------------------------------------------------------------------ starting
     def _share_round(self, worker_group: WorkerGroup, restart_count: int) -> dict[str, Any]:
@@ -127,6 +136,8 @@ class TdistAgent(LocalElasticAgent):
             env["PYTHONUNBUFFERED"] = "1"  # lines go through our pipes: let them come as they are printed
         if "port" in shared:
             env.update(TDIST_STORE_ADDR=shared["addr"], TDIST_STORE_PORT=str(shared["port"]))
+        if self.error_dir is not None:
+            env[ERROR_FILE_ENV] = os.path.join(self.error_dir, f"start{self._starts}-rank{worker.global_rank}.json")
         env.update(self.extra_env)
         return env
 
@@ -134,6 +145,7 @@ class TdistAgent(LocalElasticAgent):
         spec = worker_group.spec
         restart_count = spec.max_restarts - self._remaining_restarts
         shared = self._share_round(worker_group, restart_count)
+        self._starts += 1
         envs: dict[int, dict[str, str]] = {}
         args: dict[int, tuple] = {}
         template = self._log_line_prefix_template
@@ -182,6 +194,11 @@ class TdistAgent(LocalElasticAgent):
             return None
         return pcontext.rank_of(pcontext.first_failure.local_rank), pcontext.first_failure
 
+    def failures(self) -> list[Failure]:
+        """The workers of the last attempt that failed on their own, earliest first."""
+        pcontext = self._pcontext
+        return pcontext.failures() if isinstance(pcontext, WorkerProcesses) else []
+
     @property
     def restarts_done(self) -> int:
         return self._worker_group.spec.max_restarts - self._remaining_restarts
@@ -207,6 +224,7 @@ def create_agent(
     tdist_store: Optional[TCPStoreServer],
     log: Callable[[str], None],
     extra_env: Optional[dict[str, str]] = None,
+    error_dir: Optional[str] = None,
 ) -> TdistAgent:
     """The agent for ``config`` (as torch's ``launch_agent`` builds its LocalElasticAgent).
     Creating a c10d rendezvous handler connects to (or hosts) its store."""
@@ -246,6 +264,7 @@ def create_agent(
         tdist_store=tdist_store,
         log=log,
         extra_env=extra_env,
+        error_dir=error_dir,
     )
 
 

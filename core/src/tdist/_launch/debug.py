@@ -36,7 +36,11 @@ def worker_env(directory: str) -> dict[str, str]:
 
 def clear_old_dumps(directory: str) -> None:
     """Remove the dumps and traces an earlier job left in ``directory`` (the analyser
-    would read them as this job's)."""
+    would read them as this job's); nothing in a directory the recorder refuses."""
+    from tdist_debug.dumpfiles import dump_dir_refusal
+
+    if dump_dir_refusal(directory) is not None:
+        return  # the workers say why, and write nothing there
     for pattern in ("rank*.json", "trace-rank*.json"):
         for path in glob.glob(os.path.join(directory, pattern)):
             os.remove(path)
@@ -45,7 +49,12 @@ def clear_old_dumps(directory: str) -> None:
 def verdict(directory: str, log: Callable[[str], None]) -> None:
     """Log the analyser's verdict on the dumps in ``directory`` (or why there is none)."""
     from tdist_debug import analyze, load_dumps
+    from tdist_debug.dumpfiles import dump_dir_refusal
 
+    refusal = dump_dir_refusal(directory)
+    if refusal is not None:  # whatever is there was not written by this job
+        log(f"debug dumps: {refusal}")
+        return
     try:
         text = analyze(load_dumps(directory))
     except (OSError, ValueError) as exc:

@@ -7,7 +7,9 @@ better: each output line reaches the console live with a rank prefix (through pi
 not by tailing files), tee'd and redirected streams are written by the same readers,
 every worker runs in its own session with ``PR_SET_PDEATHSIG``, stopping waits for
 everything in the workers' process groups (grandchildren too) for ``grace_period``
-seconds before SIGKILL, and a failure is reported naming the worker's global rank.
+seconds before SIGKILL, and a failure is reported naming the worker's global rank --
+the rank that failed on its own first, by the error records the workers write
+(:mod:`tdist._errorfile`), not merely the first one seen exiting.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import IO, Any, Callable, Optional
 from torch.distributed.elastic.multiprocessing.api import LogsSpecs, PContext, RunProcsResult
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from .._errorfile import ENV as ERROR_FILE_ENV
+from .._errorfile import Failure, read_record, root_cause
 from .workers import OutputRoute, describe_status, group_members, pdeathsig_preexec, popen_target, start_pump
 
 __all__ = ["WorkerProcesses"]
@@ -102,6 +106,7 @@ class WorkerProcesses(PContext):
         self._workers: dict[int, _Worker] = {}
         self._files: list[IO[bytes]] = []
         self._failures: dict[int, ProcessFailure] = {}
+        self._exited_at: dict[int, float] = {}  # when a worker was seen to have exited (time.time())
         self._running: set[int] = set(range(self.nprocs))
         #: The first worker that failed on its own (not stopped by the launcher), if any.
         self.first_failure: Optional[ProcessFailure] = None
@@ -165,13 +170,15 @@ class WorkerProcesses(PContext):
         return {local_rank: worker.proc.pid for local_rank, worker in self._workers.items()}
 
     def _poll(self) -> Optional[RunProcsResult]:
-        failed: Optional[_Worker] = None
+        failed: list[_Worker] = []
+        now = time.time()
         for local_rank in sorted(self._running):
             worker = self._workers[local_rank]
             code = worker.proc.poll()
             if code is None:
                 continue
             self._running.discard(local_rank)
+            self._exited_at[local_rank] = now
             if code != 0:
                 self._failures[local_rank] = ProcessFailure(
                     local_rank=local_rank,
@@ -179,14 +186,19 @@ class WorkerProcesses(PContext):
                     exitcode=code,
                     error_file=self.error_files.get(local_rank, ""),
                 )
-                failed = failed or worker
+                failed.append(worker)
         if self._running and not self._failures:
             return None
-        if failed is not None and self.first_failure is None:
-            self.first_failure = self._failures[failed.local_rank]
+        if failed and self.first_failure is None:
+            first = root_cause([self._failure(w) for w in failed])  # workers seen exiting in one poll
+            assert first is not None
+            self.first_failure = self._failures[first.local_rank]
+            because = ""
+            if first.consequence:
+                because = f" because rank {first.peer} did" if first.peer is not None else " because a peer did"
             self.log(
-                f"rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) failed with "
-                f"{describe_status(failed.proc.returncode)}; stopping {len(self._running)} other worker(s)"
+                f"rank {first.rank} (local rank {first.local_rank}, pid {first.pid}) failed with "
+                f"{describe_status(first.exitcode or 0)}{because}; stopping {len(self._running)} other worker(s)"
             )
         self.close()
         result = RunProcsResult(failures=dict(self._failures), stdouts=self.stdouts, stderrs=self.stderrs)
@@ -197,6 +209,48 @@ class WorkerProcesses(PContext):
     def rank_of(self, local_rank: int) -> int:
         """The global rank of the worker with ``local_rank``."""
         return self._workers[local_rank].rank
+
+    # ------------------------------------------------------------------ failures
+    def _failure(self, worker: _Worker) -> Failure:
+        """``worker``'s failure as its error record (if it wrote one) and exit status tell it."""
+        local_rank = worker.local_rank
+        path = self.envs[local_rank].get(ERROR_FILE_ENV)
+        record = read_record(path) if path else None
+        detail = callstack = None
+        process = self._failures.get(local_rank)
+        if process is not None and process.error_file and os.path.isfile(process.error_file):
+            message = process.message  # torch's @record wrote it: {"message": ..., "extraInfo": {"py_callstack": ...}}
+            detail = str(message.get("message") or "") if isinstance(message, dict) else str(message or "")
+            if isinstance(message, dict) and isinstance(message.get("extraInfo"), dict):
+                callstack = message["extraInfo"].get("py_callstack")
+        exited = self._exited_at.get(local_rank, time.time())
+        return Failure(
+            rank=worker.rank,
+            local_rank=local_rank,
+            pid=worker.proc.pid,
+            exitcode=worker.proc.returncode,
+            at=float(record["time"]) if record is not None else exited,
+            record=record,
+            stopped=process is None,
+            detail=detail or None,
+            callstack=str(callstack).rstrip("\n").splitlines() if callstack else None,
+        )
+
+    def failures(self) -> list[Failure]:
+        """The workers of this attempt that failed on their own, earliest first: those seen
+        exiting with a non-zero status before the others were stopped, and those that
+        recorded an uncaught exception (also when they exited only once stopped)."""
+        found = []
+        for local_rank, worker in sorted(self._workers.items()):
+            if local_rank in self._failures:
+                found.append(self._failure(worker))
+                continue
+            path = self.envs[local_rank].get(ERROR_FILE_ENV)
+            if path and worker.proc.returncode not in (None, 0) and os.path.exists(path):
+                failure = self._failure(worker)
+                if failure.record is not None:
+                    found.append(failure)
+        return sorted(found, key=lambda f: (f.at, f.rank))
 
     # ------------------------------------------------------------------ stopping
     def _leftovers(self) -> list[int]:

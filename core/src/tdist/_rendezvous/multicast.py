@@ -23,6 +23,7 @@ not trip it).
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import secrets
@@ -41,7 +42,7 @@ from .._store.base import Store
 from .._store.tcp_protocol import token_bytes
 from .common import check_rank
 from .multicast_socket import MulticastOptions, no_multicast_hint, open_multicast_socket
-from .multicast_wire import ANNOUNCE, ID_BYTES, OFFER, Datagram, Rejected, job_tag, pack, unpack
+from .multicast_wire import ANNOUNCE, ID_BYTES, OFFER, Datagram, Rejected, job_tag, pack, source_of, unpack
 
 __all__ = ["multicast_rendezvous", "assign_ranks", "Peer", "EXPIRY"]
 
@@ -117,13 +118,24 @@ class _Rendezvous:
         self.rejected: Counter = Counter()
         self.deadline = time.monotonic() + timeout
         self._problem_since: Optional[float] = None
+        #: where this process's datagrams come from, as the group sees them: learned from its first
+        #: one, named (MAC'd) in every later one (:mod:`.multicast_wire`)
+        self.source: Optional[Tuple[bytes, int]] = None
 
     @property
     def where(self) -> str:
         return f"tcp:// multicast rendezvous at {self.options.where} (group {self.group!r})"
 
     # ------------------------------------------------------------------ datagrams
+    def announcement(self) -> Datagram:
+        source, port = self.source or (bytes(16), 0)
+        return Datagram(
+            ANNOUNCE, self.me, self.world_size, self.rank, text=self.hostname, source=source, source_port=port
+        )
+
     def send(self, datagram: Datagram) -> None:
+        if self.source is not None:
+            datagram = dataclasses.replace(datagram, source=self.source[0], source_port=self.source[1])
         try:
             self.sock.sendto(pack(datagram, self.tag, self.token), (self.options.group, self.options.port))
         except (BlockingIOError, InterruptedError):
@@ -146,10 +158,20 @@ class _Rendezvous:
             got = unpack(data, self.tag, self.token)
             if isinstance(got, Rejected):
                 self.rejected[got] += 1
-            elif got is not None:
-                if got.kind == ANNOUNCE:
-                    self._heard(got, source)
-                return got, source
+                continue
+            if got is None:
+                continue
+            origin = source_of(source)
+            if got.sender == self.me and got.kind == ANNOUNCE and self.source is None:
+                self.source = origin  # this process's first datagram, heard back: now it knows where it is
+                got = dataclasses.replace(got, source=origin[0], source_port=origin[1])
+            if (got.source, got.source_port) != origin:
+                if got.source_port or got.kind != ANNOUNCE:  # a replay from elsewhere: it takes no part
+                    self.rejected[Rejected.WRONG_SOURCE] += 1
+                continue  # (one that does not know its source yet: it names it in its next announcement)
+            if got.kind == ANNOUNCE:
+                self._heard(got, source)
+            return got, source
 
     def _heard(self, datagram: Datagram, source: tuple) -> None:
         peer = self.peers.setdefault(
@@ -164,20 +186,23 @@ class _Rendezvous:
 
     # ------------------------------------------------------------------ the protocol
     def run(self) -> Tuple[Store, int, int]:
-        announcement = Datagram(ANNOUNCE, self.me, self.world_size, self.rank, text=self.hostname)
         announce_at, delay, review_at = time.monotonic(), FIRST_DELAY, 0.0
+        announced_source = False
         while True:
             now = time.monotonic()
             if now >= self.deadline:
                 raise self._timeout_error()
             if now >= announce_at:
-                self.send(announcement)
+                announced_source = self.source is not None
+                self.send(self.announcement())
                 announce_at, delay = now + delay, min(delay * 2, LONGEST_DELAY)
             known = len(self.peers)
             got = self.receive(min(announce_at, self.deadline))
             if got is not None and self._for_me(got[0]):
                 return self._accept(*got)
             now = time.monotonic()
+            if self.source is not None and not announced_source:  # the others count it from this one on
+                announce_at = now
             if len(self.peers) > known:  # someone new: let it hear everyone soon, and see if the job is complete
                 announce_at, delay, review_at = now, FIRST_DELAY, now
             if now < review_at:
@@ -188,7 +213,7 @@ class _Rendezvous:
                 continue
             ranks = assign_ranks(live, self.world_size)
             if ranks.get(self.me) == 0:
-                return self._lead(ranks, announcement)
+                return self._lead(ranks, self.announcement())
 
     def _for_me(self, datagram: Datagram) -> bool:
         return datagram.kind == OFFER and datagram.recipient == self.me and datagram.world_size == self.world_size

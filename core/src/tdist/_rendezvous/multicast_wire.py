@@ -1,10 +1,17 @@
 """The datagrams of the multicast ``tcp://`` rendezvous (big-endian, fixed layout, no pickle).
 
 Every datagram: ``MAGIC | version (u8) | kind (u8) | authenticated (u8) | job tag (16) |
-sender (16) | world size (u32) | rank (i32) | recipient (16) | port (u16) | text length (u8) |
-text`` and, when authenticated, ``HMAC-SHA256(key, everything before)``, where ``key`` is
-derived from the token for this purpose alone (``HMAC-SHA256(token, LABEL)``): no MAC a
-datagram carries can stand in for a proof in the store's handshake.
+sender (16) | world size (u32) | rank (i32) | recipient (16) | port (u16) | source address (16) |
+source port (u16) | text length (u8) | text`` and, when authenticated, ``HMAC-SHA256(key,
+everything before)``, where ``key`` is derived from the token for this purpose alone
+(``HMAC-SHA256(token, LABEL)``): no MAC a datagram carries can stand in for a proof in the
+store's handshake.
+
+The source address and port are where the sender's datagrams come from, as the group sees
+them (an IPv4 address as IPv4-mapped IPv6), learned from its own first datagram (port 0
+until then): covered by the MAC, and checked against the address and port each datagram
+arrives from (:func:`source_of`), so a captured datagram replayed from anywhere else is
+dropped, however well it is authenticated.
 
 - ``ANNOUNCE``: a process looking for its job; ``rank`` is its given rank (-1: none), ``text``
   its host name (for error messages); ``recipient`` and ``port`` are zero.
@@ -23,19 +30,20 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import ipaddress
 import struct
 from dataclasses import dataclass
 from typing import Union
 
-__all__ = ["ANNOUNCE", "OFFER", "ID_BYTES", "Datagram", "Rejected", "job_tag", "pack", "unpack"]
+__all__ = ["ANNOUNCE", "OFFER", "ID_BYTES", "Datagram", "Rejected", "job_tag", "pack", "unpack", "source_of"]
 
 MAGIC = b"TDMC"
-VERSION = 1
+VERSION = 2  # 2: the source address and port
 ANNOUNCE, OFFER = 1, 2
 ID_BYTES = 16
 MAC_BYTES = 32
 _LABEL = b"tdist multicast rendezvous key v1\0"
-_HEAD = struct.Struct(f"!4sBBB{ID_BYTES}s{ID_BYTES}sIi{ID_BYTES}sHB")
+_HEAD = struct.Struct(f"!4sBBB{ID_BYTES}s{ID_BYTES}sIi{ID_BYTES}sH16sHB")
 MAX_TEXT = 255
 
 
@@ -46,6 +54,7 @@ class Rejected(enum.Enum):
     BAD_MAC = "failed authentication (another token)"
     UNAUTHENTICATED = "carried no authentication while this process has a token"
     UNEXPECTED_MAC = "were authenticated while this process has no TDIST_STORE_TOKEN"
+    WRONG_SOURCE = "came from another address or port than they name (replayed?)"
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,16 @@ class Datagram:
     recipient: bytes = bytes(ID_BYTES)
     port: int = 0
     text: str = ""
+    source: bytes = bytes(16)  # where the sender's datagrams come from (see the module doc)
+    source_port: int = 0  # 0: the sender does not know yet
+
+
+def source_of(address: tuple) -> tuple[bytes, int]:
+    """``(source, source_port)`` as a datagram names them, of ``recvfrom``'s address."""
+    parsed = ipaddress.ip_address(str(address[0]).partition("%")[0])
+    if parsed.version == 4:
+        return bytes(10) + b"\xff\xff" + parsed.packed, int(address[1])
+    return parsed.packed, int(address[1])
 
 
 def job_tag(group_name: str) -> bytes:
@@ -84,6 +103,8 @@ def pack(datagram: Datagram, tag: bytes, token: bytes) -> bytes:
             datagram.rank,
             datagram.recipient,
             datagram.port,
+            datagram.source,
+            datagram.source_port,
             len(text),
         )
         + text
@@ -97,9 +118,21 @@ def unpack(data: bytes, tag: bytes, token: bytes) -> Union[Datagram, Rejected, N
     but cannot be trusted or read."""
     if len(data) < _HEAD.size or data[:4] != MAGIC or data[4] != VERSION:
         return None
-    magic, version, kind, authenticated, their_tag, sender, world_size, rank, recipient, port, size = _HEAD.unpack_from(
-        data
-    )
+    (
+        magic,
+        version,
+        kind,
+        authenticated,
+        their_tag,
+        sender,
+        world_size,
+        rank,
+        recipient,
+        port,
+        source,
+        source_port,
+        size,
+    ) = _HEAD.unpack_from(data)
     if their_tag != tag:
         return None
     body_end = _HEAD.size + size
@@ -117,4 +150,4 @@ def unpack(data: bytes, tag: bytes, token: bytes) -> Union[Datagram, Rejected, N
         text = data[_HEAD.size : body_end].decode()
     except UnicodeDecodeError:
         return Rejected.MALFORMED
-    return Datagram(kind, sender, world_size, rank, recipient, port, text)
+    return Datagram(kind, sender, world_size, rank, recipient, port, text, source, source_port)

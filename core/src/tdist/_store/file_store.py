@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 from .._errors import DistStoreError
+from .._oserror import describe
 from .._work import Timeout
 from .base import DEFAULT_STORE_TIMEOUT, QueueEmptyError, Store, Value, as_bytes, wait_timeout_error
 from .table import INTERNAL_PREFIX, KeyTable, add_to_value
@@ -81,7 +82,7 @@ class FileStore(Store):
         try:
             self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise DistStoreError(f"{self._where}: cannot open the store file: {exc}") from exc
+            raise DistStoreError(f"{self._where}: cannot open the store file: {describe(exc)}") from exc
         try:
             if not stat.S_ISREG(os.fstat(self._fd).st_mode):  # a device, a FIFO: no log, and never removed
                 raise DistStoreError(
@@ -177,14 +178,21 @@ class FileStore(Store):
         parts = [_HEADER] if self._offset == 0 else []
         for op, key, value in records:
             parts += [_RECORD.pack(op, len(key), len(value)), key, value]
-        if os.fstat(fd).st_size != self._offset:
-            os.ftruncate(fd, self._offset)  # drop a torn tail left by a crashed writer
-        view = memoryview(b"".join(parts))
-        pos = self._offset
-        while view:
-            written = os.pwrite(fd, view, pos)
-            view = view[written:]
-            pos += written
+        try:
+            if os.fstat(fd).st_size != self._offset:
+                os.ftruncate(fd, self._offset)  # drop a torn tail left by a crashed writer
+            view = memoryview(b"".join(parts))
+            pos = self._offset
+            while view:
+                written = os.pwrite(fd, view, pos)
+                view = view[written:]
+                pos += written
+        except OSError as exc:  # e.g. ENOSPC: the file system is full
+            try:
+                os.ftruncate(fd, self._offset)  # leave no torn record behind
+            except OSError:
+                pass
+            raise DistStoreError(f"{self._where}: cannot write to the store file: {describe(exc)}") from exc
         self._sync(fd)
 
     def _count(self, key: bytes, amount: int) -> Record:

@@ -12,8 +12,11 @@ Handshake (mutual authentication when a token is set):
 
 A server configured for TLS (:mod:`.tls`) expects a TLS handshake first and runs the above
 inside TLS; to a client that sends a plaintext hello it answers ``auth`` = 2 (``TLS_REQUIRED``)
-and hangs up, so the client can say why. A client holding a token refuses a server that does not authenticate (no downgrade) and a
-server whose proof is wrong; a server with a token refuses a client whose proof is wrong.
+and hangs up, so the client can say why. A server out of file descriptors (``EMFILE``)
+answers ``auth`` = 3 (``OUT_OF_DESCRIPTORS``) to the connections it cannot keep, through
+a descriptor it holds in reserve for this, and hangs up. A client holding a token refuses
+a server that does not authenticate (no downgrade) and a server whose proof is wrong; a
+server with a token refuses a client whose proof is wrong.
 Fresh nonces on both sides make every proof single-use.
 
 Requests: ``command (u8) | argument count (u32) | per argument: length (u32), bytes``.
@@ -42,6 +45,7 @@ __all__ = [
     "ACK",
     "NAK",
     "TLS_REQUIRED",
+    "OUT_OF_DESCRIPTORS",
     "TOKEN_ENV",
     "token_bytes",
     "server_proof",
@@ -51,6 +55,7 @@ __all__ = [
     "encode_list",
     "decode_list",
     "parse_request",
+    "RequestScan",
     "timeout_arg",
     "ProtocolError",
     "MAX_ARG_BYTES",
@@ -66,6 +71,7 @@ NONCE_BYTES = 32
 PROOF_BYTES = 32
 ACK = b"\x01"
 TLS_REQUIRED = 2  # the ``auth`` byte of a TLS server's answer to a plaintext hello
+OUT_OF_DESCRIPTORS = 3  # the ``auth`` byte of a server with no file descriptor to serve the connection
 NAK = b"\x00"  # a wrong proof; a connection closed without it (shed under load) is worth retrying
 CLIENT_HELLO_BYTES = len(MAGIC) + 1 + NONCE_BYTES
 SERVER_HELLO_BYTES = len(MAGIC) + 2 + NONCE_BYTES  # + PROOF_BYTES when the server authenticates
@@ -173,30 +179,62 @@ def encode_reply(status: int, payload: bytes = b"") -> bytes:
     return HEAD.pack(status, len(payload)) + payload
 
 
+class RequestScan:
+    """How far :func:`parse_request` got into a request not yet complete, so that the next
+    call resumes there instead of walking it again from its start: a request trickled in
+    small pieces costs O(its bytes) in all, not O(bytes x pieces). ``steps`` counts the
+    headers read (the request's and its arguments') over the connection's life."""
+
+    __slots__ = ("cmd", "count", "seen", "offset", "total", "steps")
+
+    def __init__(self) -> None:
+        self.cmd = self.count = self.seen = self.offset = self.total = self.steps = 0
+
+
 def parse_request(
-    buf: Union[bytes, bytearray, memoryview], pos: int, _head: Any = HEAD.unpack_from, _u32: Any = U32.unpack_from
+    buf: Union[bytes, bytearray, memoryview],
+    pos: int,
+    scan: Optional[RequestScan] = None,
+    _head: Any = HEAD.unpack_from,
+    _u32: Any = U32.unpack_from,
 ) -> Optional[Tuple[int, List[bytes], int]]:
     """The request at ``buf[pos:]`` as ``(command, arguments, end)``, None while incomplete;
-    raises ProtocolError for an unknown command, a wrong arity or an argument over the limits."""
+    raises ProtocolError for an unknown command, a wrong arity or an argument over the limits.
+
+    With ``scan``, an incomplete request's progress is kept there and the next call (the
+    same request at ``buf[pos:]``, more bytes after it) resumes where this one stopped."""
     n = len(buf)
-    if n - pos < 5:
-        return None
-    cmd, count = _head(buf, pos)
-    arity = ARITY.get(cmd)
-    if arity is None or not arity[0] <= count <= arity[1]:
-        raise ProtocolError(f"command {cmd} with {count} arguments")
-    # walk the lengths first (cheap); copy only once the whole request is there
-    p, total = pos + 5, 0
-    for _ in range(count):
-        if n - p < 4:
+    if scan is not None and scan.offset:  # resume: the head and ``seen`` lengths were checked
+        cmd, count, seen, p, total = scan.cmd, scan.count, scan.seen, pos + scan.offset, scan.total
+        steps = 0
+    else:
+        if n - pos < 5:
             return None
+        cmd, count = _head(buf, pos)
+        arity = ARITY.get(cmd)
+        if arity is None or not arity[0] <= count <= arity[1]:
+            raise ProtocolError(f"command {cmd} with {count} arguments")
+        seen, p, total, steps = 0, pos + 5, 0, 1
+    # walk the lengths first (cheap); copy only once the whole request is there
+    steps -= seen
+    while seen < count:
+        if n - p < 4:
+            break
         (size,) = _u32(buf, p)
         total += size
         if size > MAX_ARG_BYTES or total > MAX_REQUEST_BYTES:
             raise ProtocolError(f"an argument of {size} bytes is over the limit")
         p += 4 + size
-    if p > n:
+        seen += 1
+    steps += seen
+    if seen < count or p > n:
+        if scan is not None:
+            scan.cmd, scan.count, scan.seen, scan.offset, scan.total = cmd, count, seen, p - pos, total
+            scan.steps += steps
         return None
+    if scan is not None:
+        scan.offset = 0
+        scan.steps += steps
     args, p = [], pos + 5
     for _ in range(count):
         (size,) = _u32(buf, p)

@@ -9,7 +9,12 @@ Connections that have not completed the handshake are the only ones an outsider 
 They get one deadline for the whole handshake (not per byte: a client dribbling a byte a
 second is cut off), and at most ``max_pending`` of them are kept: a new one evicts the
 oldest. An attacker therefore costs a bounded number of file descriptors and no thread,
-and authenticated clients are served throughout.
+and authenticated clients are served throughout. Out of file descriptors (EMFILE), the
+server answers the connections it cannot keep that it ran out (``OUT_OF_DESCRIPTORS``,
+through one descriptor it holds in reserve), so that their clients say so at once.
+
+A request that arrives in pieces is parsed incrementally (:class:`.tcp_protocol.RequestScan`):
+each piece is read once, however many there are.
 
 With TLS (:mod:`.tls`), a connection starts with a TLS handshake done without blocking
 (``do_handshake`` on the non-blocking socket), inside the same deadline and the same cap;
@@ -27,6 +32,7 @@ import itertools
 import logging
 import os
 import resource
+import select
 import selectors
 import socket
 import ssl
@@ -35,6 +41,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from .._errors import DistNetworkError, DistStoreError
+from .._oserror import describe, note, out_of_descriptors
 from .table import KeyTable
 from .tcp_protocol import (
     ACK,
@@ -56,6 +63,7 @@ from .tcp_protocol import (
     NONCE_BYTES,
     NUM_KEYS,
     OK,
+    OUT_OF_DESCRIPTORS,
     PING,
     PROOF_BYTES,
     QUEUE_LEN,
@@ -67,6 +75,7 @@ from .tcp_protocol import (
     VERSION,
     WAIT,
     ProtocolError,
+    RequestScan,
     client_proof,
     encode_list,
     encode_reply,
@@ -84,7 +93,7 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 10.0
 _RECV_BYTES = 256 << 10
 _MAX_UNSENT = 256 << 20
-_HELLO, _PROOF, _READY, _TLS_START, _TLS_SHAKE = 0, 1, 2, 3, 4
+_HELLO, _PROOF, _READY, _TLS_START, _TLS_SHAKE, _REFUSE = 0, 1, 2, 3, 4, 5
 _AGAIN = (BlockingIOError, InterruptedError) + WOULD_BLOCK
 _HELLO_HEAD = MAGIC + bytes([VERSION])
 _OK_EMPTY = encode_reply(OK)
@@ -116,7 +125,19 @@ class _Parked:
 
 
 class _Conn:
-    __slots__ = ("sock", "state", "buf", "out", "nonce", "server_nonce", "parked", "writing", "closed", "pending")
+    __slots__ = (
+        "sock",
+        "state",
+        "buf",
+        "out",
+        "nonce",
+        "server_nonce",
+        "parked",
+        "writing",
+        "closed",
+        "pending",
+        "scan",
+    )
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -129,6 +150,7 @@ class _Conn:
         self.writing = False
         self.closed = False
         self.pending = True  # counted against max_pending until the handshake completes
+        self.scan = RequestScan()  # how far the partial request at the start of ``buf`` was parsed
 
 
 class TCPStoreServer:
@@ -172,6 +194,10 @@ class TCPStoreServer:
         self._wake_w: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        #: a descriptor held in reserve: out of descriptors, the server closes it to accept one
+        #: connection and tell its client why it cannot serve it (plaintext servers)
+        self._spare: Optional[int] = None
+        self._told_out_of_descriptors = False
         self._conns: Dict[int, _Conn] = {}
         self._pending: "collections.OrderedDict[_Conn, None]" = collections.OrderedDict()
         self._waiters: Dict[bytes, Dict[_Conn, None]] = {}
@@ -258,6 +284,7 @@ class TCPStoreServer:
         self._port = self._sockname[1]
         self._table.owner = f"TCPStore {self._host}:{self._port}"
         self._sel = selectors.DefaultSelector()
+        self._reserve()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -391,6 +418,9 @@ class TCPStoreServer:
                 wake.close()
         if self._sel is not None:
             self._sel.close()
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
 
     def _next_delay(self) -> Optional[float]:
         if self._resume:
@@ -425,10 +455,16 @@ class TCPStoreServer:
                 sock, _addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of descriptors: shed the oldest handshake, else pause
+            except OSError as exc:  # out of descriptors: shed the oldest handshake, else refuse or pause
                 log.debug("TCPStoreServer: accept failed: %s", exc)
+                if out_of_descriptors(exc):
+                    if not _waiting(listener):  # Linux says EMFILE before it looks for a connection
+                        return
+                    self._out_of_descriptors(exc)
                 if self._pending:
                     self._close(next(iter(self._pending)))
+                    continue
+                if out_of_descriptors(exc) and self._refuse_one(listener):
                     continue
                 self._pause_accepting()
                 return
@@ -447,6 +483,45 @@ class TCPStoreServer:
             assert self._sel is not None
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self._timer(self._handshake_timeout, conn, "handshake")
+
+    def _reserve(self) -> None:
+        """Hold a descriptor in reserve (plaintext servers; see ``_refuse_one``)."""
+        if self._spare is None and self._tls is None and not self._stopping:
+            try:
+                self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                pass
+
+    def _out_of_descriptors(self, exc: OSError) -> None:
+        """Say once (a warning in the server's process), and remember for its timeouts, that
+        connections are turned away for want of file descriptors."""
+        where = f"TCPStore {self._host}:{self._port}"
+        note(f"the store server {where} could not accept a connection", exc)
+        if not self._told_out_of_descriptors:
+            self._told_out_of_descriptors = True
+            log.warning("%s: cannot accept connections: %s", where, describe(exc))
+
+    def _refuse_one(self, listener: socket.socket) -> bool:
+        """Out of descriptors: accept one connection with the reserved descriptor, to answer its
+        hello with OUT_OF_DESCRIPTORS (its client fails at once, saying why, instead of timing
+        out); the reserve is taken back when a connection closes. False when there is no reserve."""
+        if self._spare is None:
+            return False
+        os.close(self._spare)
+        self._spare = None
+        try:
+            sock, _addr = listener.accept()
+        except OSError:
+            self._reserve()
+            return False
+        sock.setblocking(False)
+        conn = _Conn(sock)
+        conn.state, conn.pending = _REFUSE, False  # not shed for a newcomer: it has a word to say first
+        self._conns[sock.fileno()] = conn
+        assert self._sel is not None
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+        self._timer(self._handshake_timeout, conn, "handshake")
+        return True
 
     def _pause_accepting(self) -> None:
         assert self._sel is not None
@@ -472,6 +547,8 @@ class TCPStoreServer:
         except (KeyError, ValueError, OSError):
             pass
         conn.sock.close()
+        if self._spare is None:
+            self._reserve()
 
     def _on_read(self, conn: _Conn) -> None:
         try:  # into one preallocated buffer: recv(n) would allocate (mmap) n bytes per call
@@ -608,6 +685,11 @@ class TCPStoreServer:
     # ----------------------------------------------------------------- handshake
     def _handshake(self, conn: _Conn) -> None:
         buf = conn.buf
+        if conn.state == _REFUSE:  # read its hello (so that closing does not reset the connection), then say why
+            if len(buf) < CLIENT_HELLO_BYTES and _HELLO_HEAD.startswith(bytes(buf[: len(_HELLO_HEAD)])):
+                return
+            self._send(conn, MAGIC + bytes([VERSION, OUT_OF_DESCRIPTORS]) + bytes(NONCE_BYTES))
+            raise ProtocolError("out of file descriptors: refused a connection")
         if conn.state == _HELLO:
             if self._tls is None and buf[:1] == bytes([TLS_RECORD_TYPE]):  # a TLS client: answer in plaintext,
                 self._send(conn, MAGIC + bytes([VERSION, 0]) + bytes(NONCE_BYTES))  # which it reports
@@ -654,9 +736,9 @@ class TCPStoreServer:
     def _serve(self, conn: _Conn, buf: Union[bytearray, memoryview]) -> int:
         """Serve the complete requests in ``buf`` until one parks ``conn``; return the bytes used."""
         pos, replies = 0, []
-        handlers = self._handlers
+        handlers, scan = self._handlers, conn.scan
         while conn.parked is None and not conn.closed:
-            request = parse_request(buf, pos)
+            request = parse_request(buf, pos, scan)
             if request is None:
                 break
             cmd, args, pos = request
@@ -854,6 +936,13 @@ class TCPStoreServer:
             return encode_reply(ERROR, str(exc).encode())
         self._changed(key)
         return self._blocking(conn, _Parked(BARRIER, [key], world_size), timeout)
+
+
+def _waiting(listener: socket.socket) -> bool:
+    """Whether a connection waits on ``listener`` (poll needs no descriptor of its own)."""
+    poller = select.poll()
+    poller.register(listener, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class _PortTaken(Exception):

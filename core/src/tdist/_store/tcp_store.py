@@ -17,6 +17,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .._errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
+from .._oserror import describe, out_of_descriptors
 from .._work import Timeout
 from .base import DEFAULT_STORE_TIMEOUT, QueueEmptyError, Store, Value, as_bytes, wait_timeout_error
 from .table import INTERNAL_PREFIX
@@ -52,6 +53,7 @@ from .tcp_protocol import (
     SET,
     TIMEOUT,
     TLS_REQUIRED,
+    OUT_OF_DESCRIPTORS,
     TOKEN_ENV,
     VERSION,
     WAIT,
@@ -297,6 +299,10 @@ class TCPStore(Store):
             try:
                 sock = socket.create_connection((self._host, self._port), timeout=max(remaining, 0.05))
             except OSError as exc:
+                if out_of_descriptors(exc):  # waiting would not give this process a descriptor back
+                    raise StoreConnectionError(
+                        f"{self._where}: cannot open a connection to the server: {describe(exc)}"
+                    ) from exc
                 error: Exception = exc
             else:
                 try:
@@ -360,6 +366,12 @@ class TCPStore(Store):
                 "(another program, or torch's TCPStore, listens there)"
             )
         authenticates, server_nonce = hello[len(MAGIC) + 1], hello[len(MAGIC) + 2 :]
+        if authenticates == OUT_OF_DESCRIPTORS:
+            raise StoreConnectionError(
+                f"{self._where}: the server ran out of file descriptors (EMFILE or ENFILE: too many open files) and "
+                "cannot take this connection: raise the open-file limit (ulimit -n) of the process that hosts "
+                "the store (rank 0's, the launcher's), or start fewer processes"
+            )
         if authenticates == TLS_REQUIRED:
             raise DistStoreError(
                 f"{self._where}: the server requires TLS and this store has none: set TDIST_TLS_CA "

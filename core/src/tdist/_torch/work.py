@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as torch_dist
 
+from .._futures import future_of
 from .._work import Work
 
 __all__ = ["BridgeWork", "all_of"]
@@ -60,18 +61,8 @@ class BridgeWork(torch_dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         """A future completed with the output tensors (or the error) once the work is done."""
-        future: torch.futures.Future = torch.futures.Future()
         outputs = self._outputs
-
-        def _resolve(done: Work) -> None:
-            error = done.exception()
-            if error is None:
-                future.set_result(list(outputs))
-            else:
-                future.set_exception(error)
-
-        self.tdist_work.add_done_callback(_resolve)
-        return future
+        return future_of(self.tdist_work, lambda: list(outputs))
 
     def __repr__(self) -> str:
         return f"<BridgeWork {self.tdist_work!r}>"

@@ -95,7 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="FILE", help="also plot bus bandwidth against size (PNG; needs matplotlib)")
     p.add_argument("--reference", default="gloo", help="backend the ratio columns divide by (default gloo)")
-    p.add_argument("-v", "--verbose", action="store_true", help="print each result as it is measured")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="print a line per result as it is measured, also on a terminal (default: a progress bar there, "
+        "lines elsewhere)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr (only the table)")
     p.add_argument(
         "--core-overhead", action="store_true", help="measure the core's own cost per call at world size 1 instead"
     )
@@ -239,6 +246,20 @@ def _needs_mpirun(name: str) -> bool:
         return False  # not installed: the worker says so
 
 
+def progress_mode(args: argparse.Namespace) -> Optional[str]:
+    """How the workers show their progress on stderr: None (``--quiet``), ``"bar"`` (on a
+    terminal) or ``"lines"`` (elsewhere, and with ``--verbose``)."""
+    if args.quiet:
+        return None
+    if args.verbose:
+        return "lines"
+    try:
+        tty = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return "bar" if tty else "lines"
+
+
 def _collectives(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]
@@ -273,15 +294,23 @@ def _collectives(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     }
     results: list[dict] = []
     started = time.time()
+    progress = progress_mode(args)
     if args.hosts:
         from .hosts import format_bounds, run_hosts
 
         results = run_hosts(
-            args.hosts, args.ranks_per_host, cfg, args.timeout, args.link_rate, args.link_delay, args.verbose
+            args.hosts, args.ranks_per_host, cfg, args.timeout, args.link_rate, args.link_delay, progress
         )
     else:
-        for world in worlds:
-            results.extend(run_world(world, cfg, use_mpi, args.timeout, args.verbose))
+        for index, world in enumerate(worlds, 1):
+            if progress is not None:
+                print(
+                    f"[bench] world {world} ({index} of {len(worlds)}): starting {world} workers "
+                    f"({', '.join(backends)}{', under mpirun' if use_mpi else ''})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            results.extend(run_world(world, cfg, use_mpi, args.timeout, progress))
     results = annotate(results)
     if args.hosts:
         link = f", links {args.link_rate or 'unlimited'}, {args.link_delay * 1e3:g} ms delay"

@@ -42,7 +42,7 @@ def run_hosts(
     timeout: float,
     rate: Optional[str] = None,
     delay: float = 0.0,
-    verbose: bool = False,
+    verbose: Any = False,
 ) -> list[dict]:
     """Run one bench world of ``hosts`` x ``per_host`` ranks on a simulated cluster; the
     results (rank 0's), each row also naming ``hosts``, ``link_rate_bps`` and ``link_delay_s``."""

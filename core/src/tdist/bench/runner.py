@@ -44,11 +44,12 @@ def run_world(
     cfg: dict[str, Any],
     use_mpi: bool,
     timeout: float,
-    verbose: bool = False,
+    verbose: Any = False,
     worker_module: str = "tdist.bench.workers",
 ) -> list[dict]:
     """Run the workers (``python -m worker_module CONFIG``) of one world size; their
-    results (rank 0's file)."""
+    results (rank 0's file). ``verbose``: how rank 0 shows its progress (``"lines"`` or
+    True, ``"bar"``, None or False: not at all; see :class:`tdist.bench.workers.Progress`)."""
     tmp = tempfile.mkdtemp(prefix="tdist-bench-")
     cfg = dict(cfg)
     cfg["result"] = os.path.join(tmp, "result.json")

@@ -11,6 +11,11 @@ A timed sample is ``iters`` back-to-back calls after a barrier; its time is the
 slowest rank's, per call. ``iters`` is chosen (the same on every rank) so that a
 sample lasts about ``sample_time`` seconds. Rank 0 writes the medians to the
 result file named in the configuration.
+
+Progress (``cfg["progress"]``): ``"lines"`` (or True), rank 0 writes a line per case
+(operation and size) to stderr, with each backend's time; ``"bar"``, one line on a
+terminal, redrawn per case (lines under mpirun, which forwards output by lines, and when
+the worker's stderr is not a terminal); else nothing.
 """
 
 from __future__ import annotations
@@ -332,6 +337,44 @@ def _sample(td: Any, adapter: Adapter, fn: Callable[[], Any], iters: int) -> flo
     return _agree_max(td, elapsed) / iters
 
 
+class Progress:
+    """Rank 0's progress through the cases of one world (see the module docstring)."""
+
+    BAR_WIDTH = 24
+
+    def __init__(self, mode: Any, world: int, total: int, under_mpi: bool, tty: Optional[bool] = None) -> None:
+        mode = "lines" if mode is True else mode
+        if tty is None:
+            try:
+                tty = sys.stderr.isatty()
+            except (AttributeError, ValueError):
+                tty = False
+        if mode == "bar" and (under_mpi or not tty):  # mpirun (or a pipe) would get the redrawn line
+            mode = "lines"
+        self.mode = mode if mode in ("lines", "bar") else None
+        self.world = world
+        self.total = total
+        self.done = 0
+
+    def case_done(self, op: str, nbytes: int, times: dict[str, float]) -> None:
+        if self.mode is None:
+            return
+        from .report import format_size
+
+        self.done += 1
+        what = op if op in SIZELESS else f"{op} {format_size(nbytes)}"
+        if self.mode == "lines":
+            line = "  ".join(f"{name} {t * 1e6:.1f}us" for name, t in times.items())
+            print(f"[bench] world {self.world}, {self.done}/{self.total}: {what}: {line}", file=sys.stderr, flush=True)
+            return
+        filled = self.BAR_WIDTH * self.done // max(1, self.total)
+        bar = "#" * filled + "." * (self.BAR_WIDTH - filled)
+        end = "\n" if self.done >= self.total else ""
+        text = f"[bench] world {self.world} [{bar}] {self.done}/{self.total} {what}"
+        sys.stderr.write(f"\r{text:<79}{end}")
+        sys.stderr.flush()
+
+
 def run(cfg: dict, rank: int, world: int, under_mpi: bool) -> list[dict]:
     adapters, td = make_adapters(cfg, rank, world, under_mpi)
     sample_time = float(cfg.get("sample_time", 0.05))
@@ -340,7 +383,8 @@ def run(cfg: dict, rank: int, world: int, under_mpi: bool) -> list[dict]:
     max_iters = int(cfg.get("max_iters", 10000))
     check = bool(cfg.get("check", True))
     results = []
-    progress = cfg.get("progress", False) and rank == 0
+    cases = sum(1 if op in SIZELESS else len(cfg["sizes"]) for op in cfg["ops"])
+    progress = Progress(cfg.get("progress") if rank == 0 else None, world, cases, under_mpi)
     for op in cfg["ops"]:
         for nbytes in [0] if op in SIZELESS else cfg["sizes"]:
             prepared: list = []
@@ -374,9 +418,7 @@ def run(cfg: dict, rank: int, world: int, under_mpi: bool) -> list[dict]:
                         "iters": iters,
                     }
                 )
-            if progress:
-                line = "  ".join(f"{ad.name} {statistics.median(s) * 1e6:.1f}us" for ad, _f, _i, s in prepared)
-                print(f"[bench] world {world} {op} {nbytes} B: {line}", file=sys.stderr, flush=True)
+            progress.case_done(op, nbytes, {ad.name: statistics.median(s) for ad, _f, _i, s in prepared})
     for ad in adapters:
         if ad.name != "gloo":
             ad.close()

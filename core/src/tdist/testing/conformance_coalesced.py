@@ -9,7 +9,7 @@ from typing import Any
 from ._registry import body
 from .helpers import GROUP_ASYNC, GROUP_KINDS, Sub, assert_tensor, assert_true, dist, is_tdist, value, value_sum
 
-__all__ = ["all_reduce_coalesced", "all_gather_coalesced", "single_tensor_aliases"]
+__all__ = ["all_reduce_coalesced", "all_gather_coalesced", "coalescing_manager", "single_tensor_aliases"]
 
 
 def _torch():
@@ -76,6 +76,21 @@ def all_gather_coalesced(group: str = "world", async_op: bool = False):
         for j, shape in enumerate(shapes):
             expected = value(m, *shape, salt=j) if s.is_member else torch.full(shape, -1.0)
             assert_tensor(outputs[i][j], expected, f"all_gather_coalesced output [{i}][{j}] (rank {m})")
+
+
+@body(params=[{"group": "world", "async_ops": a} for a in (False, True)])
+def coalescing_manager(group: str = "world", async_ops: bool = False):
+    """torch's private ``_coalescing_manager`` (FSDP and DTensor use it): all_reduces issued
+    inside complete by the end of the block, or by ``cm.wait()`` with ``async_ops``."""
+    s = Sub(group)
+    tensors = [value(s.rank, 3, salt=i) for i in range(3)]
+    with dist._coalescing_manager(async_ops=async_ops, **s.kw) as cm:
+        for t in tensors:
+            dist.all_reduce(t, **s.kw)
+    if async_ops:
+        cm.wait()
+    for i, t in enumerate(tensors):
+        assert_tensor(t, value_sum(s.members, 3, salt=i), f"all_reduce {i} inside _coalescing_manager")
 
 
 @body(params=[{"group": g} for g in GROUP_KINDS], requires=("all_gather_into_tensor", "reduce_scatter_tensor"))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._registry import body
-from .helpers import assert_true, check_world_works, dist, is_tdist, raises
+from .helpers import assert_tensor, assert_true, check_world_works, dist, is_tdist, raises
 
 __all__ = [
     "bad_roots",
@@ -25,6 +25,7 @@ __all__ = [
     "bad_group_ranks",
     "bad_argument_types",
     "init_twice",
+    "interrupt_during_collective",
 ]
 
 _ARG_ERRORS = (ValueError, TypeError, RuntimeError)
@@ -224,3 +225,150 @@ def init_twice():
     _expect("second init_process_group", dist.init_process_group, backend_name())
     assert_true(dist.is_initialized(), "is_initialized() became False after a rejected second init")
     check_world_works("init twice")
+
+
+# ------------------------------------------------------------------ an interrupt in a collective
+def _in_collective(frame: Any) -> bool:
+    """Whether the stack of ``frame`` is inside a collective that has been issued: tdist's
+    ``Backend.run_blocking`` (any backend's), or torch.distributed's ``all_reduce`` (whose
+    wait is C++, below the last Python frame)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "run_blocking":
+            return True
+        if not is_tdist() and code.co_name == "all_reduce" and code.co_filename.endswith("distributed_c10d.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _interrupt_main_once_waiting(folder: str) -> None:
+    """(A thread of rank 0.) Once the main thread waits in the collective, write
+    ``signalled`` and send it SIGINT (as Ctrl-C or a launcher would; the signal interrupts
+    the blocking call, which ``_thread.interrupt_main`` would not)."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    main = threading.main_thread()
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(main.ident or 0)
+        if frame is not None and _in_collective(frame):
+            break
+        time.sleep(0.01)
+    time.sleep(0.2)  # into the blocking wait itself (a margin, not a measurement)
+    with open(os.path.join(folder, "signalled"), "w"):
+        pass
+    signal.pthread_kill(main.ident or 0, signal.SIGINT)
+
+
+def _wait_file(path: str, seconds: float) -> bool:
+    import os
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _outcome(fn: Any) -> dict:
+    """``fn()``'s outcome: ``{"ok": True}`` or what it raised (type, tdist error or not, message)."""
+    try:
+        fn()
+    except Exception as exc:
+        error = isinstance(exc, dist.DistError) if is_tdist() else isinstance(exc, RuntimeError)
+        return {"ok": False, "type": type(exc).__name__, "dist_error": error, "message": str(exc)[:300]}
+    return {"ok": True}
+
+
+@body(min_world_size=2, timeout=120)
+def interrupt_during_collective():
+    """SIGINT while rank 0 waits in a blocking all_reduce reaches rank 0 as the
+    KeyboardInterrupt itself, never wrapped in a backend error. Afterwards the group either
+    still works on every rank (gloo, mpi: the operation completes in the background) or
+    fails cleanly on every rank with a backend error (tcp, when the interrupted rank ran
+    the collective itself: its half-done collective breaks the group); no rank hangs, and
+    the other groups (the default one) are untouched."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+    import threading
+    import time
+    from datetime import timedelta
+
+    torch = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    box = [tempfile.mkdtemp(prefix="tdist-kit-interrupt-") if r == 0 else ""]
+    dist.broadcast_object_list(box, src=0)
+    folder = box[0]
+    group = dist.new_group(list(range(n)), timeout=timedelta(seconds=30))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    report = {"rank": r}
+    try:
+        t = torch.ones(4)
+        if r == 0:
+            thread = threading.Thread(target=_interrupt_main_once_waiting, args=(folder,), daemon=True)
+            try:
+                thread.start()
+                dist.all_reduce(t, group=group)
+                report["completed"] = True  # (gloo: the interrupt lands once the wait returns)
+                thread.join(30.0)
+                for _ in range(1000):  # the interrupt is on its way: let it arrive here
+                    time.sleep(0.01)
+                report["interrupt"] = None
+            except BaseException as exc:  # noqa: BLE001 - what arrives is the point
+                report["interrupt"] = type(exc).__name__
+                report["interrupt_message"] = str(exc)[:300]
+            thread.join(30.0)
+            with open(os.path.join(folder, "caught"), "w"):
+                pass
+        else:
+            assert_true(_wait_file(os.path.join(folder, "signalled"), 60.0), "rank 0 never sent its SIGINT")
+            # tcp: rank 0 catches it at once; gloo and torch: only once this collective completes
+            _wait_file(os.path.join(folder, "caught"), 2.0)
+            report["first"] = _outcome(lambda: dist.all_reduce(t, group=group))
+        t2 = torch.ones(4) * (r + 1)
+        report["second"] = _outcome(lambda: dist.all_reduce(t2, group=group))
+        if report["second"]["ok"]:
+            assert_tensor(t2, torch.ones(4) * (n * (n + 1) / 2), "all_reduce after the interrupt")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    reports = [None] * n
+    dist.all_gather_object(reports, report)
+    dist.destroy_process_group(group)
+    check_world_works("an interrupted collective in another group")
+    dist.barrier()
+    if r == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    first = reports[0]
+    assert_true(
+        first.get("interrupt") == "KeyboardInterrupt",
+        f"rank 0 was sent SIGINT in all_reduce and got {first.get('interrupt')!r} "
+        f"({first.get('interrupt_message', 'nothing raised')}), expected KeyboardInterrupt",
+    )
+    for rep in reports:
+        for key in ("first", "second"):
+            got = rep.get(key)
+            if got is not None and not got["ok"]:
+                assert_true(
+                    "KeyboardInterrupt" not in got["type"],
+                    f"rank {rep['rank']}'s {key} all_reduce raised {got['type']}: {got['message']}",
+                )
+    seconds = [rep["second"] for rep in reports]
+    usable = all(s["ok"] for s in seconds)
+    if not usable:
+        for rep in reports:
+            s = rep["second"]
+            assert_true(
+                not s["ok"] and s["dist_error"],
+                f"after rank 0's interrupt the group neither works everywhere nor fails cleanly everywhere: "
+                f"rank {rep['rank']}'s next all_reduce gave {s} (all: {seconds})",
+            )
+    return {"usable": usable, "rank0_completed": bool(first.get("completed"))}

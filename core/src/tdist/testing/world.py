@@ -320,45 +320,91 @@ class World:
             raise
 
     def _accept(self) -> None:
+        """Accept connections until every expected rank said hello. Each connection is
+        authenticated in a thread of its own (:meth:`_handshake`), so that a silent or slow
+        one (any local process can connect) holds up nobody else."""
         assert self._listener is not None
         deadline = time.monotonic() + self.start_timeout
         expected = set(self.ranks)
-        while set(self._conns) != expected:
-            if time.monotonic() > deadline:
-                missing = sorted(expected - set(self._conns))
-                raise WorldStartError(
-                    f"tdist.testing: ranks {missing} did not connect within {self.start_timeout:g} s "
-                    f"({self.describe()})\n" + self._log_tails(missing)
+        arrived: "queue.Queue[tuple[socket.socket, Any, Any]]" = queue.Queue()
+        accepting = [True]  # false once this call returns: a late handshake closes its connection
+        lock = threading.Lock()
+        shaking: list[threading.Thread] = []
+        try:
+            while True:
+                while not arrived.empty():
+                    self._welcome(*arrived.get_nowait(), expected)
+                if set(self._conns) == expected:
+                    return
+                if time.monotonic() > deadline:
+                    missing = sorted(expected - set(self._conns))
+                    raise WorldStartError(
+                        f"tdist.testing: ranks {missing} did not connect within {self.start_timeout:g} s "
+                        f"({self.describe()})\n" + self._log_tails(missing)
+                    )
+                exited = self._workers.exited()
+                if exited is not None:
+                    missing = sorted(expected - set(self._conns))
+                    raise WorldStartError(
+                        f"tdist.testing: a worker process exited with code {exited.returncode} before "
+                        f"ranks {missing} connected ({self.describe()})\n" + self._log_tails(missing)
+                    )
+                shaking = [t for t in shaking if t.is_alive()]
+                self._listener.settimeout(0.01 if shaking else 0.2)  # soon back for a finished handshake
+                try:
+                    conn, _ = self._listener.accept()
+                except socket.timeout:
+                    continue
+                shaking.append(
+                    threading.Thread(
+                        target=self._handshake,
+                        args=(conn, self._token.encode(), arrived, accepting, lock),
+                        name="tdist-world-handshake",
+                        daemon=True,
+                    )
                 )
-            exited = self._workers.exited()
-            if exited is not None:
-                missing = sorted(expected - set(self._conns))
-                raise WorldStartError(
-                    f"tdist.testing: a worker process exited with code {exited.returncode} before "
-                    f"ranks {missing} connected ({self.describe()})\n" + self._log_tails(missing)
-                )
-            try:
-                conn, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            try:  # nothing from the connection is unpickled before it has proved it knows the token
-                accept_worker(conn, self._token.encode())
-                conn.settimeout(HANDSHAKE_TIMEOUT)
-                kind, hello = recv_msg(conn)
-            except (OSError, pickle.UnpicklingError, ValueError):  # ChannelClosed and AuthenticationFailed too
-                conn.close()
-                continue
-            rank = hello.get("rank") if isinstance(hello, dict) else None
-            if kind != "hello" or rank not in expected or rank in self._conns:
-                conn.close()
-                continue
-            conn.settimeout(None)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._conns[rank] = conn
-            self._pids[rank] = int(hello["pid"])
-            threading.Thread(
-                target=self._read, args=(rank, conn, self._inbox), name=f"tdist-world-rank{rank}", daemon=True
-            ).start()
+                shaking[-1].start()
+        finally:
+            self._listener.settimeout(0.2)
+            with lock:
+                accepting[0] = False
+            while not arrived.empty():
+                arrived.get_nowait()[0].close()
+
+    @staticmethod
+    def _handshake(
+        conn: socket.socket,
+        token: bytes,
+        arrived: "queue.Queue[tuple[socket.socket, Any, Any]]",
+        accepting: list,
+        lock: threading.Lock,
+    ) -> None:
+        try:  # nothing from the connection is unpickled before it has proved it knows the token
+            accept_worker(conn, token)
+            conn.settimeout(HANDSHAKE_TIMEOUT)
+            kind, hello = recv_msg(conn)
+        except Exception:  # noqa: BLE001 - ChannelClosed, AuthenticationFailed, timeouts, a bad hello
+            conn.close()
+            return
+        with lock:
+            if accepting[0]:
+                arrived.put((conn, kind, hello))
+                return
+        conn.close()
+
+    def _welcome(self, conn: socket.socket, kind: Any, hello: Any, expected: set[int]) -> None:
+        """Take an authenticated connection as its rank's, unless its hello is wrong or late."""
+        rank = hello.get("rank") if isinstance(hello, dict) else None
+        if kind != "hello" or rank not in expected or rank in self._conns:
+            conn.close()
+            return
+        conn.settimeout(None)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._conns[rank] = conn
+        self._pids[rank] = int(hello["pid"])
+        threading.Thread(
+            target=self._read, args=(rank, conn, self._inbox), name=f"tdist-world-rank{rank}", daemon=True
+        ).start()
 
     @staticmethod
     def _read(rank: int, conn: socket.socket, inbox: "queue.Queue[tuple[int, Any]]") -> None:

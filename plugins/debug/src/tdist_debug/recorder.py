@@ -5,7 +5,8 @@ preallocated arrays and a dict insert (the core builds the :class:`tdist.WorkInf
 only while some plugin observes work); nothing recorded is tracked by the garbage
 collector, so a full ring does not slow collections down. A dump writes the
 ring, oldest first, with this rank's groups, to ``<dump dir>/rank<R>.json``
-(replaced atomically); with tracing on, every operation also goes to
+(replaced atomically, mode 0600, only in a directory no other user can plant files
+in: :mod:`tdist_debug.dumpfiles`); with tracing on, every operation also goes to
 ``trace-rank<R>.json`` in Chrome's trace-event format (chrome://tracing, Perfetto).
 """
 
@@ -18,10 +19,12 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any, Optional
 
+from .dumpfiles import DumpDirRefused, write_json
 from .settings import Settings, enabled_by_env
 
 __all__ = ["Recorder", "current", "enable", "start", "DUMP_FORMAT"]
@@ -109,6 +112,7 @@ class Recorder:
         self.groups: dict[str, dict[str, Any]] = {}
         self.rank: Optional[int] = None
         self._dump_lock = threading.Lock()
+        self._refused = False
 
     # ------------------------------------------------------------ recording
     def _add(self, info: Any) -> int:
@@ -217,8 +221,9 @@ class Recorder:
         name = f"{stem}{rank}" if rank >= 0 else f"{stem}-pid{os.getpid()}"
         return os.path.join(self.settings.dump_dir, name + ".json")
 
-    def dump(self, reason: str) -> str:
-        """Write this rank's dump (and trace, with tracing on); return the dump's path."""
+    def dump(self, reason: str) -> Optional[str]:
+        """Write this rank's dump (and trace, with tracing on); return the dump's path, or
+        None when the dump directory is refused (see :mod:`tdist_debug.dumpfiles`)."""
         with self._dump_lock:
             now = time.time()
             data = {
@@ -233,9 +238,15 @@ class Recorder:
                 "entries": self.entries(now),
             }
             path = self._path("rank")
-            _write_json(path, data)
-            if self._trace is not None:
-                _write_json(self._path("trace-rank"), trace_events(self._rank(), self.traced(now)))
+            try:
+                write_json(path, data)
+                if self._trace is not None:
+                    write_json(self._path("trace-rank"), trace_events(self._rank(), self.traced(now)))
+            except DumpDirRefused as exc:  # said once; the job goes on without dumps
+                if not self._refused:
+                    self._refused = True
+                    print(f"tdist-debug: {exc.strerror}", file=sys.stderr, flush=True)
+                return None
             return path
 
 
@@ -258,14 +269,6 @@ def trace_events(rank: int, entries: list[dict[str, Any]]) -> dict[str, Any]:
             }
         )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def _write_json(path: str, data: Any) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w") as f:
-        json.dump(data, f)
-    os.replace(temporary, path)
 
 
 _recorder: Optional[Recorder] = None

@@ -13,12 +13,13 @@ What gloo lacks is built on what it has (see README.md for the table):
   int64, float8 on float32) and are cast back; uint64 is reduced as int64 (MIN/MAX with
   the sign bit flipped so the order is unsigned); complex SUM/AVG/PREMUL_SUM run on the
   real view;
-* PREMUL_SUM multiplies by the factor and sums; gloo's native AVG is used where it has one;
+* PREMUL_SUM multiplies by the factor and sums; gloo's native AVG is used for floating-point
+  tensors; integer AVG (NCCL's: truncated toward zero) is gloo's SUM, then a division;
 * all_to_all with tensors of different sizes goes through alltoall_base;
 * CUDA reduce_scatter goes through allreduce.
 
 Combinations torch.distributed rejects (bitwise reductions of floating-point or
-complex tensors, PRODUCT/MIN/MAX of complex ones, AVG of integers, PREMUL_SUM of
+complex tensors, PRODUCT/MIN/MAX of complex ones, AVG of bool, PREMUL_SUM of
 integers by a non-integer factor) raise ``TypeError`` (as tdist.reduction.check_reduction
 does) naming the operation and the backend before anything is communicated.
 """
@@ -31,7 +32,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from tdist.plugin import Backend, DistBackendError, DistError, ReduceOp, Work, backend_error, flag
+from tdist.plugin import Backend, DistBackendError, DistError, ReduceOp, Reduction, Work, backend_error, finalize_, flag
 
 from . import BACKEND_NAME, CHECK_ENV
 from .devices import make_devices
@@ -52,6 +53,8 @@ from .torch_gloo import PG, c10d
 from .work import GlooWork, map_error
 
 __all__ = ["GlooBackend", "GlooWork", "create_backend", "map_error", "make_devices"]
+
+_AVG = Reduction(ReduceOp.AVG)
 
 
 # ------------------------------------------------------------------ backend
@@ -135,6 +138,14 @@ class GlooBackend(Backend):
             cache[key] = opts
         return opts
 
+    def _averaged(self, plan: Plan, finish: Optional[Callable[[], Any]], result: Any) -> Optional[Callable[[], Any]]:
+        """``finish``, then, for an integer AVG (gloo summed it), ``result`` divided by the
+        group size, truncated toward zero."""
+        if not plan.divide:
+            return finish
+        size = self.size
+        return chain(finish, lambda: finalize_(result, _AVG, size))
+
     @staticmethod
     def _call(operation: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -177,7 +188,7 @@ class GlooBackend(Backend):
 
     def all_reduce(self, tensor: Any, op: Any) -> Work:
         plan = self._plans.get((op.op, tensor.dtype)) or self._plan_for(op, tensor.dtype, "all_reduce")
-        if plan.kind == NATIVE and not plan.prescale:  # the common case: straight to gloo
+        if plan.kind == NATIVE and not plan.prescale and not plan.divide:  # the common case: straight to gloo
             try:
                 work = self._pg.allreduce([tensor], plan.ar_opts)
             except Exception as exc:
@@ -185,13 +196,15 @@ class GlooBackend(Backend):
             return GlooWork(work, "all_reduce", (tensor,), owner=self)
         buffer, finish = io_buffer(plan, tensor, op.factor)
         work = self._call("all_reduce", self._pg.allreduce, [buffer], plan.ar_opts)
-        return GlooWork(work, "all_reduce", (tensor,), post=finish, owner=self)
+        return GlooWork(work, "all_reduce", (tensor,), post=self._averaged(plan, finish, tensor), owner=self)
 
     def reduce(self, tensor: Any, dst: int, op: Any) -> Work:
         plan = self._plan_for(op, tensor.dtype, "reduce")
         buffer, finish = io_buffer(plan, tensor, op.factor)
         opts = self._options(self._reduce_opts, c10d.ReduceOptions, dst, plan.torch_op)
         work = self._call("reduce", self._pg.reduce, [buffer], opts)
+        if self.rank == dst:
+            finish = self._averaged(plan, finish, tensor)
         return GlooWork(work, "reduce", (tensor,), post=finish, owner=self)
 
     def all_gather(self, outputs: Sequence[Any], tensor: Any) -> Work:
@@ -226,7 +239,8 @@ class GlooBackend(Backend):
         in_buffers = [input_buffer(plan, t, op.factor).reshape(-1) for t in inputs]
         work = self._call("reduce_scatter", self._pg.reduce_scatter, [out_buffer.view(-1)], [in_buffers], plan.rs_opts)
         # gloo's reduce_scatter works learn of completion only inside wait() (pollable=False)
-        return GlooWork(work, "reduce_scatter", (output,), post=finish, pollable=False, owner=self)
+        post = self._averaged(plan, finish, output)
+        return GlooWork(work, "reduce_scatter", (output,), post=post, pollable=False, owner=self)
 
     def reduce_scatter_tensor(self, output: Any, tensor: Any, op: Any) -> Work:
         plan = self._plan_for(op, output.dtype, "reduce_scatter_tensor")
@@ -239,7 +253,8 @@ class GlooBackend(Backend):
             in_buffer.reshape(-1),
             plan.rs_opts,
         )
-        return GlooWork(work, "reduce_scatter_tensor", (output,), post=finish, pollable=False, owner=self)
+        post = self._averaged(plan, finish, output)
+        return GlooWork(work, "reduce_scatter_tensor", (output,), post=post, pollable=False, owner=self)
 
     def _reduce_scatter_whole(self, operation: str, output: Any, whole: Any, op: Any, plan: Plan) -> Work:
         """reduce_scatter as an allreduce of ``whole`` (a fresh 1-D concatenation of the
@@ -248,7 +263,7 @@ class GlooBackend(Backend):
         lo, hi = self.rank * n, (self.rank + 1) * n
         buffer, finish = io_buffer(plan, whole, op.factor)
         work = self._call(operation, self._pg.allreduce, [buffer], plan.ar_opts)
-        post = chain(finish, lambda: output.view(-1).copy_(whole[lo:hi]))
+        post = self._averaged(plan, chain(finish, lambda: output.view(-1).copy_(whole[lo:hi])), output)
         return GlooWork(work, operation, (output,), post=post, owner=self)
 
     def all_to_all(self, outputs: Sequence[Any], inputs: Sequence[Any]) -> Work:

@@ -57,14 +57,23 @@ NATIVE, REAL, WIDEN, U64 = range(4)
 class Plan:
     """How one (reduction, dtype) runs on gloo."""
 
-    __slots__ = ("kind", "torch_op", "compute", "prescale", "flip", "ar_opts", "rs_opts")
+    __slots__ = ("kind", "torch_op", "compute", "prescale", "flip", "divide", "ar_opts", "rs_opts")
 
-    def __init__(self, kind: int, torch_op: Any, compute: Any = None, prescale: bool = False, flip: bool = False):
+    def __init__(
+        self,
+        kind: int,
+        torch_op: Any,
+        compute: Any = None,
+        prescale: bool = False,
+        flip: bool = False,
+        divide: bool = False,
+    ):
         self.kind = kind
         self.torch_op = torch_op
         self.compute = compute
         self.prescale = prescale
         self.flip = flip
+        self.divide = divide  # integer AVG: gloo sums, the result is divided afterwards
         self.ar_opts = c10d.AllreduceOptions()
         self.ar_opts.reduceOp = torch_op
         self.rs_opts = c10d.ReduceScatterOptions()
@@ -88,12 +97,17 @@ def make_plan(op: ReduceOp, dtype: Any, operation: str, factor: Any) -> Plan:
     reduction = Reduction(op, factor)
     if _UINT64 is not None and dtype == _UINT64:  # as int64, MIN/MAX with the sign bit flipped
         check_reduction(reduction, dtype, f"{operation}: backend 'gloo'")
-        return Plan(U64, _TORCH_OP[op], compute=torch.int64, prescale=op is ReduceOp.PREMUL_SUM, flip=op in _MINMAX)
+        avg = op is ReduceOp.AVG
+        torch_op = _TORCH_OP[ReduceOp.SUM if avg else op]
+        return Plan(
+            U64, torch_op, compute=torch.int64, prescale=op is ReduceOp.PREMUL_SUM, flip=op in _MINMAX, divide=avg
+        )
     plan = plan_reduction(
         reduction, dtype, GLOO_DTYPES, widen=_WIDER, complex_as_real=True, backend="gloo", operation=operation
     )
     kind = REAL if plan.as_real else WIDEN if plan.widened else NATIVE
-    return Plan(kind, _TORCH_OP[plan.op], compute=plan.compute if kind == WIDEN else None, prescale=plan.prescale)
+    compute = plan.compute if kind == WIDEN else None
+    return Plan(kind, _TORCH_OP[plan.op], compute=compute, prescale=plan.prescale, divide=plan.divide)
 
 
 def io_buffer(plan: Plan, tensor: Any, factor: Any) -> tuple:

@@ -5,17 +5,26 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Optional, Sequence
 
-from tdist.plugin import Work, backend_error
+from tdist.plugin import DistBackendError, Work, backend_error
 
 from . import BACKEND_NAME
 
 __all__ = ["GlooWork", "map_error"]
 
 
+#: Words of gloo's messages when a peer's connection went away (it died or left).
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
 def map_error(exc: BaseException, operation: str) -> BaseException:
     """A tdist error for what gloo/torch raised during ``operation`` (timeouts become
-    :class:`DistBackendTimeoutError`); tdist errors pass unchanged."""
-    return backend_error(BACKEND_NAME, operation, exc)
+    :class:`DistBackendTimeoutError`); tdist errors pass unchanged. A lost connection to a
+    peer is marked as that peer's failure (``failed_peer`` -1: gloo names its address only)."""
+    error = backend_error(BACKEND_NAME, operation, exc)
+    if isinstance(error, DistBackendError) and error is not exc and error.failed_peer is None:
+        if any(words in str(exc).lower() for words in _PEER_GONE):
+            error.failed_peer = -1
+    return error
 
 
 # --------------------------------------------------------------------- work
@@ -73,7 +82,9 @@ class GlooWork(Work):
             error: Optional[BaseException] = None
             try:
                 self._work.wait()
-            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+            except Exception as exc:  # noqa: BLE001 - re-raised by wait()
+                # (an interrupt, KeyboardInterrupt, goes up as it is: the operation runs on in
+                # gloo's threads, and the group stays usable; this Work stays pending)
                 error = map_error(exc, self.op)
                 self._work = None  # it holds the group's connections open
                 if self._owner is not None:

@@ -17,13 +17,16 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from tdist.plugin import Backend, DistBackendError, ReduceOp, Reduction, Work, premul_factor
+from tdist.plugin import Backend, DistBackendError, ReduceOp, Reduction, Work, finalize_, premul_factor
 
 from ._dtypes import Plan, Tables, buffer
 from ._runtime import Runtime, check_collectives_default, mpi_error, runtime
 from ._work import MPIWork
 
 __all__ = ["MPIBackend", "create_backend"]
+
+#: AVG as the backend finishes it: the division by the group size after MPI's SUM.
+_AVG = Reduction(ReduceOp.AVG)
 
 MPIException: Any = None
 _tables: Optional[Tables] = None
@@ -164,7 +167,7 @@ class MPIBackend(Backend):
 
         def finalize() -> None:
             if plan.avg:
-                work.div_(size)
+                finalize_(work, _AVG, size)  # integers: truncated, as NCCL
             if work is not target:
                 target.copy_(work)
 
@@ -193,7 +196,7 @@ class MPIBackend(Backend):
 
             def finalize() -> None:
                 if plan.avg:
-                    work.div_(size)
+                    finalize_(work, _AVG, size)  # integers: truncated, as NCCL
                 if work is not target:
                     target.copy_(work)
 
@@ -283,7 +286,7 @@ class MPIBackend(Backend):
 
             def finalize() -> None:
                 if plan.avg:
-                    recv.div_(size)
+                    finalize_(recv, _AVG, size)  # integers: truncated, as NCCL
                 if recv is not target:
                     target.copy_(recv)
 

@@ -38,7 +38,7 @@ from . import BACKEND_NAME
 from .buffers import Staging, nbytes, ptr, readable
 from .comm import load_nccl, nccl_version, new_communicator, share_unique_id
 from .cuda import TorchCuda
-from .dtypes import BYTE_TYPE_NAME, ReducePlan, plan_reduction, reduce_view
+from .dtypes import BYTE_TYPE_NAME, ReducePlan, average_, plan_reduction, reduce_view
 from .multigpu import MultiGpu
 from .work import NcclWork
 
@@ -253,7 +253,7 @@ class NcclBackend(Backend):
             if view.numel():
                 comm.allReduce(ptr(view), ptr(view), view.numel(), plan.nccl_type, plan.nccl_op, stream)
             if plan.divide:
-                buf.div_(self.size)
+                average_(buf, self.size)
             staging.copy_back()
 
         return self.run("all_reduce", [tensor], issue, [tensor])
@@ -270,7 +270,7 @@ class NcclBackend(Backend):
             if view.numel():
                 comm.reduce(ptr(view), ptr(view), view.numel(), plan.nccl_type, plan.nccl_op, dst, stream)
             if plan.divide and self.rank == dst:
-                buf.div_(self.size)
+                average_(buf, self.size)
             staging.copy_back()
 
         return self.run("reduce", [tensor], issue, [tensor])
@@ -339,7 +339,7 @@ class NcclBackend(Backend):
         if recv.numel():
             comm.reduceScatter(ptr(send), ptr(recv), recv.numel(), plan.nccl_type, plan.nccl_op, stream)
         if plan.divide:
-            out.div_(self.size)
+            average_(out, self.size)
         staging.copy_back()
 
     def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Work:

@@ -28,6 +28,7 @@ __all__ = [
     "NCCL_TYPE_NAMES",
     "ReducePlan",
     "as_bytes",
+    "average_",
     "nccl_type",
     "plan_reduction",
     "reduce_view",
@@ -132,7 +133,14 @@ def plan_reduction(nccl: Any, version: int, dtype: Any, reduction: Reduction, op
     native_avg = version >= AVG_MIN_VERSION and hasattr(nccl, "NCCL_AVG")
     natives = {getattr(torch, n) for n in NCCL_TYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)}
     plan = core_plan(
-        reduction, dtype, natives, complex_as_real=True, native_avg=native_avg, backend="nccl", operation=operation
+        reduction,
+        dtype,
+        natives,
+        complex_as_real=True,
+        native_avg=native_avg,
+        native_int_avg=native_avg,
+        backend="nccl",
+        operation=operation,
     )
     applied = BOOL_OPS[plan.op] if plan.compute is torch.bool else plan.op
     return ReducePlan(
@@ -143,6 +151,14 @@ def plan_reduction(nccl: Any, version: int, dtype: Any, reduction: Reduction, op
         factor=reduction.factor if plan.prescale else None,
         divide=plan.divide,
     )
+
+
+def average_(tensor: torch.Tensor, count: int) -> torch.Tensor:
+    """Divide a summed ``tensor`` by ``count`` in place (integers truncated toward zero, as
+    ``ncclAvg`` does): AVG on an NCCL older than 2.10."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.div_(count)
+    return tensor.div_(count, rounding_mode="trunc")
 
 
 def reduce_view(tensor: torch.Tensor, plan: ReducePlan) -> torch.Tensor:

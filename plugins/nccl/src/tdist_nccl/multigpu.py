@@ -22,7 +22,7 @@ from tdist.plugin import prescale_
 
 from .buffers import Staging, nbytes, ptr, readable
 from .comm import new_clique, share_unique_id
-from .dtypes import reduce_view
+from .dtypes import average_, reduce_view
 from .work import NcclWork
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ class MultiGpu:
 
         def finish(d: int) -> None:
             if plan.divide:
-                bufs[d].div_(total)
+                average_(bufs[d], total)
             _copy_back(tensors[d], bufs[d])
 
         return self.run("all_reduce", tensors, issue, finish, tensors, prepare)
@@ -170,7 +170,7 @@ class MultiGpu:
 
         def finish(d: int) -> None:
             if plan.divide and b.rank == root and d == dst_tensor:
-                bufs[d].div_(b.size * n)
+                average_(bufs[d], b.size * n)
             _copy_back(tensors[d], bufs[d])
 
         return self.run("reduce", tensors, issue, finish, tensors, prepare)

@@ -214,7 +214,10 @@ class TcpBackend(Backend):
                     raise DistBackendError(f"tcp backend: {tr.me}'s process group was destroyed")
                 return body(c)
             except BaseException as exc:
-                raise self._failed(name, exc)  # noqa: B904  (it sets the cause itself)
+                error = self._failed(name, exc)
+                if error is exc:
+                    raise
+                raise error  # noqa: B904  (it sets the cause itself)
             finally:
                 self._in_collective = False
 
@@ -237,17 +240,26 @@ class TcpBackend(Backend):
                 self._codes[key] = codes
         return codes
 
-    def _failed(self, name: str, exc: BaseException) -> DistBackendError:
+    def _failed(self, name: str, exc: BaseException) -> BaseException:
         """What a collective that raised ``exc`` on this rank raises; the transport fails
-        with it, so that no peer waits for this rank in vain."""
+        (with a :class:`DistBackendError`), so that no peer waits for this rank in vain.
+
+        An interrupt (``KeyboardInterrupt``, any non-``Exception``) stays what it is on this
+        rank: it is returned unchanged, and the group breaks with an error saying this rank
+        was interrupted (its collective is half done: the group cannot go on)."""
         self._forget_frames(exc)
         if isinstance(exc, DistBackendError):
             err = exc
+        elif not isinstance(exc, Exception):
+            err = DistBackendError(
+                f"tcp backend: {name} on {self._me} was interrupted ({type(exc).__name__}); its group is broken"
+            )
+            err.__cause__ = exc
         else:  # a local failure mid-collective must not leave the peers waiting
             err = DistBackendError(f"tcp backend: {name} failed on {self._me}: {type(exc).__name__}: {exc}")
             err.__cause__ = exc
         self._tr.fail(err)
-        return err
+        return err if isinstance(exc, Exception) else exc
 
     def _quick(
         self,
@@ -285,7 +297,10 @@ class TcpBackend(Backend):
                 deadline = time.monotonic() + self._timeout_s
                 shm.settle(outcome, algo.Coll(tr, opcode, rcode, seq, dcode, deadline, self._scratch, nbytes))
         except BaseException as exc:
-            raise self._failed(name, exc)  # noqa: B904  (it sets the cause itself)
+            error = self._failed(name, exc)
+            if error is exc:
+                raise
+            raise error  # noqa: B904  (it sets the cause itself)
         finally:
             self._in_collective = False
             lane.release()

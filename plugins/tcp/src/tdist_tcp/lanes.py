@@ -40,6 +40,9 @@ class Job:
         try:
             result = self.fn()
         except BaseException as exc:
+            if not isinstance(exc, Exception):  # an interrupt of the thread that runs it inline
+                _interrupted(self.work, exc)
+                raise
             outcome: tuple = (self.work.set_exception, exc)
         else:
             outcome = (self.work.set_result, result)
@@ -47,6 +50,19 @@ class Job:
             outcome[0](outcome[1])
         except Exception:
             pass
+
+
+def _interrupted(work: Work, exc: BaseException) -> None:
+    """Fail ``work``, whose job an interrupt (``exc``: KeyboardInterrupt, ...) cut short in
+    the thread running it, with a :class:`DistBackendError` (a later ``wait`` raises that);
+    the interrupt itself goes on up that thread's stack (the caller waiting inline, who was
+    interrupted, gets it as it is)."""
+    error = DistBackendError(f"{work.op}: interrupted ({type(exc).__name__}) while it ran")
+    error.__cause__ = exc
+    try:
+        work.set_exception(error)
+    except Exception:
+        pass
 
 
 class TcpWork(Work):
@@ -68,10 +84,18 @@ class TcpWork(Work):
         self.started = False
 
     def run(self) -> None:
-        """Run the queued function and complete this Work with its result or error."""
+        """Run the queued function and complete this Work with its result or error. An
+        interrupt (a non-``Exception``, which CPython raises only in the main thread) fails
+        the Work and propagates, unless this is the lane's own thread (whose loop must go on)."""
         try:
             result = self.fn()
         except BaseException as exc:
+            if not isinstance(exc, Exception):
+                _interrupted(self, exc)
+                lane = self._lane
+                if lane is None or threading.current_thread() is not lane._thread:
+                    raise
+                return
             try:  # the Work's done-callbacks run here: their errors are not the lane's
                 self.set_exception(exc)
             except Exception:

@@ -22,7 +22,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 from tdist.plugin import (
     DistBackendTimeoutError,
@@ -46,6 +46,7 @@ from .auth import (
     parse_hello,
     token_mismatch_hint,
 )
+from .oserrors import out_of_descriptors
 
 __all__ = [
     "choose_host",
@@ -66,6 +67,8 @@ ADDR_KEY = "tcp/addr/{}"
 UNIX_KEY = "tcp/unix/{}"
 _AF_UNIX = getattr(socket, "AF_UNIX", -1)
 NONCE_KEY = "tcp/nonce"
+#: a rank whose acceptor ran out of file descriptors says so here (group nonce, rank), for its connectors
+EXHAUSTED_KEY = "tcp/exhausted/{}/{}"
 DEFAULT_SOCKET_BUFFER = 4 << 20
 TOKEN_ENV = "TDIST_STORE_TOKEN"  # named in errors: the core derives the factory's secret from it
 #: unauthenticated connections an acceptor holds at once (beyond, the oldest is dropped)
@@ -187,6 +190,8 @@ class _Acceptor(threading.Thread):
         self._streams: dict[int, int] = {}  # how many streams each connecting rank announced
         self.refused = 0
         self.refusals: list[str] = []  # why connections that claimed a wanted rank were refused
+        self.exhausted = ""  # why accepting failed for want of file descriptors, if it did
+        self.on_exhausted: Optional[Callable[[str], None]] = None  # told that, once
         self.error: Optional[BaseException] = None
         self.stop = threading.Event()
         self._wanted = set(range(rank + 1, size))
@@ -194,7 +199,12 @@ class _Acceptor(threading.Thread):
         self._sel: Any = None
 
     def run(self) -> None:
-        sel = self._sel = selectors.DefaultSelector()
+        try:
+            sel = self._sel = selectors.DefaultSelector()
+        except OSError as exc:  # e.g. out of file descriptors: reported by connect_mesh
+            self.error = exc
+            self._out_of_descriptors(exc)
+            return
         try:
             for listener in self.listeners:
                 listener.setblocking(False)
@@ -229,7 +239,9 @@ class _Acceptor(threading.Thread):
             conn, _addr = listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        except OSError:  # e.g. out of file descriptors: the connector retries
+        except OSError as exc:  # e.g. out of file descriptors: the connector retries
+            if self._out_of_descriptors(exc):  # said in this rank's timeout error; wait, rather than spin
+                time.sleep(0.05)
             return
         if len(self._pending) >= MAX_PENDING:
             self._drop(next(iter(self._pending.values())), None)  # the oldest
@@ -238,6 +250,19 @@ class _Acceptor(threading.Thread):
         p.tls = 1 if self.tls is not None and listener is self.listeners[0] else 0
         self._pending[conn] = p
         self._sel.register(conn, selectors.EVENT_READ)
+
+    def _out_of_descriptors(self, exc: OSError) -> bool:
+        """Whether ``exc`` is EMFILE or ENFILE; then keep why, and tell it once (``on_exhausted``)."""
+        why = out_of_descriptors(exc)
+        if why is None:
+            return False
+        if not self.exhausted and self.on_exhausted is not None:
+            try:
+                self.on_exhausted(why)
+            except Exception:  # noqa: BLE001 - only a better error message is lost
+                pass
+        self.exhausted = f"accepting a connection failed: {why}"
+        return True
 
     def _drop(self, p: _Pending, reason: Optional[str]) -> None:
         self._pending.pop(p.sock, None)
@@ -463,24 +488,28 @@ def _connect_one(
     use_unix: bool,
     tls: Optional[_tls.MeshTls] = None,
     streams: int = 1,
+    auth: Optional[_Auth] = None,
 ) -> list[socket.socket]:
-    """Connect to lower rank ``peer`` and handshake, retrying (re-reading the store, so a
-    stale address or nonce is replaced by the fresh one) until ``deadline``. Same-host
-    peers are reached through one Unix-domain socket when possible (several times TCP
-    loopback's bandwidth), others through ``streams`` TCP connections. A failed
-    authentication raises at once."""
+    """Connect to lower rank ``peer`` and handshake, retrying (re-reading its address)
+    until ``deadline``. Every attempt uses ``auth``, the group nonce this rank read once
+    and uses throughout (its acceptor and the :class:`Mesh` it returns too; read from the
+    store when not given). Same-host peers are reached through one Unix-domain socket
+    when possible (several times TCP loopback's bandwidth), others through ``streams``
+    TCP connections. A failed authentication raises at once."""
     last: Optional[str] = None
     addr = "?"
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            _raise_if_exhausted(store, auth, rank, peer, addr)
             raise DistNetworkError(
                 f"tcp backend: rank {rank} could not connect to rank {peer} at {addr} within the timeout: {last} "
                 f"(if that address is wrong, set options['host'], ${HOST_ENV} or ${IFNAME_ENV} on rank {peer})"
             )
         opened: list[socket.socket] = []
         try:
-            auth = _group_auth(store, secret, remaining)
+            if auth is None:
+                auth = _group_auth(store, secret, remaining)
             raw = store.get(ADDR_KEY.format(peer), timeout=max(0.01, deadline - time.monotonic()))
             host, port = _parse_addr(raw)
             addr = _format_addr(host, port)
@@ -521,14 +550,39 @@ def _connect_one(
             ) from None
         except (OSError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
+            if out_of_descriptors(exc) is not None:  # retrying would not give one back
+                _close_all(opened)
+                raise DistNetworkError(
+                    f"tcp backend: rank {rank} cannot open a connection to rank {peer} at {addr}: "
+                    f"{out_of_descriptors(exc)}"
+                ) from None
             why = _tls.fatal(exc) if tls is not None else None
             if why is not None:  # e.g. the peer refused this rank's certificate (TLS 1.3 says so after the handshake)
                 _close_all(opened)
                 raise DistNetworkError(
                     f"tcp backend: rank {rank} cannot connect to rank {peer} at {addr} over TLS: {why}"
                 ) from None
+            if isinstance(exc, socket.timeout):  # connected but never answered: is it out of descriptors?
+                _close_all(opened)
+                _raise_if_exhausted(store, auth, rank, peer, addr)
         _close_all(opened)
         time.sleep(0.05)
+
+
+def _raise_if_exhausted(store: Any, auth: Optional[_Auth], rank: int, peer: int, addr: str) -> None:
+    """Raise, naming it, if ``peer`` said that it ran out of file descriptors accepting connections."""
+    if auth is None:
+        return
+    key = EXHAUSTED_KEY.format(auth.nonce.hex(), peer)
+    try:
+        why = store.get(key, timeout=0.01).decode("utf-8", "replace") if store.check([key]) else ""
+    except Exception:  # noqa: BLE001 - the store is what it is: the caller's error stands
+        return
+    if why:
+        raise DistNetworkError(
+            f"tcp backend: rank {rank} cannot connect to rank {peer} at {addr}: rank {peer} cannot accept "
+            f"connections: {why}"
+        )
 
 
 def _close_all(socks: Sequence[Any]) -> None:
@@ -602,7 +656,8 @@ def connect_mesh(
         family, socktype, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         listener = socket.socket(family, socktype, proto)
     except OSError as exc:
-        raise DistNetworkError(f"tcp backend: rank {rank} cannot listen on {host!r}: {exc}") from None
+        why = out_of_descriptors(exc) or exc
+        raise DistNetworkError(f"tcp backend: rank {rank} cannot listen on {host!r}: {why}") from None
     use_unix = _unix_enabled(options)
     unix_listener: Optional[socket.socket] = None
     acceptor: Optional[_Acceptor] = None
@@ -633,14 +688,16 @@ def connect_mesh(
             if unix_listener is not None:
                 listeners.append(unix_listener)
                 store.set(UNIX_KEY.format(rank), unix_name)
+        auth = _Auth(nonce, group_key(secret, nonce), bool(secret))
         if rank < size - 1:
-            acceptor = _Acceptor(listeners, rank, size, nonce, group_key(secret, nonce), bool(secret), deadline, tls)
+            acceptor = _Acceptor(listeners, rank, size, nonce, auth.key, auth.has_token, deadline, tls)
+            acceptor.on_exhausted = lambda why: store.set(EXHAUSTED_KEY.format(nonce.hex(), rank), why)
             acceptor.start()
         store.set(ADDR_KEY.format(rank), _format_addr(host, bound_port))
         for peer in range(rank):
             try:
                 connected[peer] = _connect_one(
-                    store, peer, rank, size, secret, deadline, buffer_bytes, use_unix, tls, streams
+                    store, peer, rank, size, secret, deadline, buffer_bytes, use_unix, tls, streams, auth
                 )
             except DistStoreTimeoutError:
                 raise _timeout_error(rank, timeout, store, [p for p in range(rank) if p not in connected]) from None
@@ -648,11 +705,13 @@ def connect_mesh(
             acceptor.join(max(0.0, deadline - time.monotonic()) + 0.5)
             connected.update(acceptor.complete())
             if acceptor.error is not None:
-                raise DistNetworkError(f"tcp backend: rank {rank} failed accepting connections: {acceptor.error}")
+                error = out_of_descriptors(acceptor.error) or acceptor.error
+                raise DistNetworkError(f"tcp backend: rank {rank} failed accepting connections: {error}")
             missing = [p for p in range(rank + 1, size) if p not in connected]
             if missing:
-                raise _timeout_error(rank, timeout, store, missing, acceptor.refusals)
-        return Mesh(connected, nonce, group_key(secret, nonce))
+                exhausted = [acceptor.exhausted] if acceptor.exhausted else []
+                raise _timeout_error(rank, timeout, store, missing, [*acceptor.refusals, *exhausted])
+        return Mesh(connected, nonce, auth.key)
     except BaseException:
         if acceptor is not None:
             acceptor.stop.set()

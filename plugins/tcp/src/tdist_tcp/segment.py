@@ -29,6 +29,7 @@ import struct
 from typing import Optional
 
 from .auth import MAC_SIZE, mac
+from .oserrors import out_of_descriptors
 
 __all__ = ["NAME_PREFIX", "layout", "create", "scope", "locator", "attach", "close_fd"]
 
@@ -101,7 +102,9 @@ def attach(where: str, total: int, size: int, slot: int, nonce: bytes, key: byte
         if os.readlink(path) != f"/memfd:{name} (deleted)":
             return None
         fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    except OSError as exc:
+        if out_of_descriptors(exc) is not None:
+            raise  # the caller says so
         return None
     try:
         info = os.fstat(fd)

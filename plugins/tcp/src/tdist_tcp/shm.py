@@ -73,6 +73,7 @@ from tdist.plugin import DistBackendError, DistBackendTimeoutError, DistStoreTim
 from . import native, segment
 from .futex import futex_wait, futex_wake
 from .kernels import Kernel
+from .oserrors import out_of_descriptors
 from .wire import describe
 
 if TYPE_CHECKING:
@@ -169,15 +170,19 @@ def open_shm(
                     name, fd, mm = segment.create(_layout(size, slot)[2], size, slot, nonce, key)
                     where = segment.locator(name, fd)
                     _set_pid(mm, size, slot, rank)
-                except OSError:
+                except OSError as exc:
                     where, mm = "", None
+                    _say_no_descriptors(ranks[rank], exc)
             store.set(key_prefix + "name", f"{where}|{slot}|{direct}")
         else:
             raw = store.get(key_prefix + "name", timeout=max(0.01, deadline - time.monotonic())).decode()
             where, their_slot, their_direct = raw.rsplit("|", 2)
             slot, direct = int(their_slot), int(their_direct)
             if want and where:
-                mm = segment.attach(where, _layout(size, slot)[2], size, slot, nonce, key)
+                try:
+                    mm = segment.attach(where, _layout(size, slot)[2], size, slot, nonce, key)
+                except OSError as exc:  # out of file descriptors
+                    _say_no_descriptors(ranks[rank], exc)
             if mm is not None:
                 _set_pid(mm, size, slot, rank)
             store.set(key_prefix + f"ok/{rank}", "1" if mm is not None else "0")
@@ -203,6 +208,17 @@ def open_shm(
             mm.close()
         return None
     return ShmEngine(mm, rank, size, slot, transport, options, direct, members)
+
+
+def _say_no_descriptors(rank: int, exc: OSError) -> None:
+    """Warn that the shared segment is declined for want of file descriptors (EMFILE, ENFILE)."""
+    why = out_of_descriptors(exc)
+    if why is not None:
+        warnings.warn(
+            f"tcp backend: rank {rank} cannot map the group's shared memory: {why}; collectives of this group "
+            "on this host go over sockets",
+            stacklevel=3,
+        )
 
 
 # ------------------------------------------------------------------------- engine
@@ -444,7 +460,7 @@ class ShmEngine:
             raise tr.broken
         peer = tr.peers[self.ranks[q]]
         if peer is not None and peer.closed is not None:
-            raise DistBackendError(peer.closed)
+            raise tr.peer_error(peer)
         if self.closed:
             raise DistBackendError(f"tcp backend: {tr.me}'s process group was destroyed")
         if time.monotonic() >= c.deadline:

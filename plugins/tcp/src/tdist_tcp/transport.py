@@ -180,7 +180,7 @@ class _Peer:
     """Another rank: its links (stream 0 carries P2P, acknowledgement and control frames;
     a collective's segment ``k`` travels on link ``k % len(links)``) and P2P stash."""
 
-    __slots__ = ("rank", "links", "p2p_stash", "closed", "label")
+    __slots__ = ("rank", "links", "p2p_stash", "closed", "failed", "label")
 
     def __init__(self, rank: int, socks: Sequence[socket.socket], label: str) -> None:
         self.rank = rank
@@ -188,6 +188,7 @@ class _Peer:
         self.links = [_Link(i, sock) for i, sock in enumerate(socks)]
         self.p2p_stash: list[_Stashed] = []
         self.closed: Optional[str] = None  # why this peer can no longer be reached
+        self.failed: Optional[int] = None  # its global rank once it is gone (died, shut down)
 
     def link_of(self, part: int) -> _Link:
         """The link that carries collective frame ``part`` (step << 32 | segment)."""
@@ -224,6 +225,18 @@ class FrameTimeout(Exception):
         self.frame = f"its {what}" + (f" ({part_name(part)})" if part else "")
         super().__init__(self.frame)
         self.peer = peer
+
+
+#: How much of a peer's ABORT reason goes into this rank's error (the frame may hold 1 MiB).
+ABORT_REASON_CHARS = 1024
+
+
+def clip_reason(reason: str, limit: int = ABORT_REASON_CHARS) -> str:
+    """``reason`` cut to ``limit`` characters, saying how many bytes were left out."""
+    if len(reason) <= limit:
+        return reason
+    omitted = len(reason[limit:].encode("utf-8", "replace"))
+    return f"{reason[:limit]}… ({omitted} bytes omitted)"
 
 
 def _timeout_error(message: str, missing: Sequence[int]) -> DistBackendTimeoutError:
@@ -293,6 +306,19 @@ class Transport:
     def me(self) -> str:
         return self.label(self.rank)
 
+    def _gone_error(self, message: str, peer: Optional[_Peer]) -> DistBackendError:
+        """A :class:`DistBackendError` that is the consequence of ``peer``'s failure (None:
+        a peer, not known which): ``failed_peer`` names its global rank."""
+        err = DistBackendError(message)
+        err.failed_peer = -1 if peer is None else self._global[peer.rank]
+        return err
+
+    def peer_error(self, peer: _Peer) -> DistBackendError:
+        """The error of an operation with ``peer``, which can no longer be reached."""
+        err = DistBackendError(peer.closed)
+        err.failed_peer = peer.failed
+        return err
+
     # ---------------------------------------------------------------- sending
     def send(self, dst: int, header: bytes, payload: memoryview, coll: Optional["Coll"] = None, part: int = 0) -> None:
         """Send one frame to ``dst`` (frames on one link never interleave); ``coll``: the
@@ -304,9 +330,10 @@ class Transport:
         if peer is None:
             raise DistBackendError(f"tcp backend: {self.me} cannot send to itself")
         if peer.closed is not None:
-            raise DistBackendError(peer.closed)
+            raise self.peer_error(peer)
         n = len(payload)
         link = peer.link_of(part)
+        sent = -1
         try:
             with link.send_lock:
                 sock = link.sock
@@ -329,8 +356,18 @@ class Transport:
                             memoryview(header)[sent:] if sent < len(header) else b"",
                             payload[max(0, sent - len(header)) :],
                         )
+                sent = -2  # the whole frame is out
         except OSError as exc:
             raise self._send_failed(peer, exc, coll) from None
+        except BaseException as exc:  # an interrupt (KeyboardInterrupt) of the sending thread
+            if sent >= 0 and not isinstance(exc, Exception):  # a frame cut short: the link is lost
+                err = DistBackendError(
+                    f"tcp backend: {self.me} was interrupted ({type(exc).__name__}) while sending to "
+                    f"{peer.label}; its group is broken"
+                )
+                err.__cause__ = exc
+                self.fail(err)
+            raise
 
     def _push(self, sock: socket.socket, first: Any, rest: Any) -> None:
         """Send the rest of a frame (with the peer's send lock held). Each blocked call
@@ -360,10 +397,11 @@ class Transport:
         if self.broken is not None:
             return self.broken
         if peer.closed is not None:
-            return DistBackendError(peer.closed)
+            return self.peer_error(peer)
         if peer.said_bye:  # it destroyed its group; its reader has not seen the EOF yet
-            return DistBackendError(
-                f"tcp backend: {peer.label} has shut down its process group; {self.me} cannot communicate with it"
+            return self._gone_error(
+                f"tcp backend: {peer.label} has shut down its process group; {self.me} cannot communicate with it",
+                peer,
             )
         if isinstance(exc, (BlockingIOError, socket.timeout)):
             with self._lock:  # a frame was cut short: nothing more may be sent on this connection
@@ -380,9 +418,10 @@ class Transport:
                     [peer.rank],
                 )
         else:
-            err = DistBackendError(
+            err = self._gone_error(
                 f"tcp backend: {self.me} lost its connection to {peer.label} while sending "
-                f"({type(exc).__name__}: {exc}); that rank probably died"
+                f"({type(exc).__name__}: {exc}); that rank probably died",
+                peer,
             )
         self.fail(err)
         return err
@@ -403,7 +442,7 @@ class Transport:
             if link.coll_stash:
                 stashed = link.coll_stash.popleft()
             elif peer.closed is not None:
-                raise DistBackendError(peer.closed)
+                raise self.peer_error(peer)
             else:
                 link.coll_posted.append(pr)
                 return pr
@@ -531,7 +570,7 @@ class Transport:
                         found = (peer, stashed)
                         break
                 if found is None and peer.closed is not None:
-                    raise DistBackendError(peer.closed)
+                    raise self.peer_error(peer)
             else:
                 for peer in self.peers:
                     if peer is None:
@@ -542,7 +581,9 @@ class Transport:
                                 found = (peer, stashed)
                             break
                 if found is None and all(p is None or p.closed is not None for p in self.peers):
-                    raise DistBackendError(f"tcp backend: {self.me} cannot receive from any rank: all peers are gone")
+                    raise self._gone_error(
+                        f"tcp backend: {self.me} cannot receive from any rank: all peers are gone", None
+                    )
             if found is None:
                 self._p2p_posted.append(pr)
                 return pr
@@ -649,12 +690,14 @@ class Transport:
         if self._closing:
             err = DistBackendError(f"tcp backend: {self.me}'s process group was destroyed")
         elif problem is None:
-            err = DistBackendError(
-                f"tcp backend: {peer.label} has shut down its process group; {self.me} cannot communicate with it"
+            err = self._gone_error(
+                f"tcp backend: {peer.label} has shut down its process group; {self.me} cannot communicate with it",
+                peer,
             )
         else:
-            err = DistBackendError(
-                f"tcp backend: {self.me} lost its connection to {peer.label} ({problem}); that rank probably died"
+            err = self._gone_error(
+                f"tcp backend: {self.me} lost its connection to {peer.label} ({problem}); that rank probably died",
+                peer,
             )
         if current is not None:
             current.finish(err)
@@ -767,12 +810,14 @@ class Transport:
             timed_out = bool(info.get("timeout"))
         except (ValueError, TypeError, KeyError, AttributeError):
             reason, missing, timed_out = payload.decode("utf-8", "replace"), [], False
+        reason, missing = clip_reason(reason), sorted(set(missing))  # a peer's words, not a megabyte of them
         if timed_out:
             err: DistBackendError = _timeout_error(
                 f"tcp backend: {peer.label} aborted {self.me}'s group after a timeout: {reason}", missing
             )
         else:
             err = DistBackendError(f"tcp backend: {peer.label} aborted the group: {reason}")
+        err.failed_peer = self._global[peer.rank]  # its failure, or one it relays
         err.abort_reason = reason  # type: ignore[attr-defined]
         return err
 
@@ -786,6 +831,7 @@ class Transport:
         with self._lock:
             if peer.closed is None:
                 peer.closed = str(err)
+                peer.failed = err.failed_peer
             pending: list[Any] = peer.take_posted()
             everyone_gone = all(p is None or p.closed is not None for p in self.peers)
             keep = []
