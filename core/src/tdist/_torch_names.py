@@ -62,6 +62,9 @@ FROM_TORCH = frozenset(
         "GroupName",
         "RankType",
         "ProcessGroupGloo",
+        "ProcessGroupNCCL",  # these three: torch's CUDA builds only
+        "ProcessGroupNCCL2",
+        "ProcessGroupNCCLLazy",
         "is_ucc_available",
         "is_xccl_available",
         "record_comm",
@@ -79,8 +82,15 @@ NOT_PROVIDED = {
     "(entry point group 'tdist', hook tdist_register_rendezvous)",
     "shrink_group": "fault-tolerant groups (shrink, split, grow) are not in tdist yet",
     "split_group": "fault-tolerant groups (shrink, split, grow) are not in tdist yet",
+    **{
+        name: "new in torch 2.14; not in tdist yet"
+        for name in ("gather_into_tensor", "gather_single", "get_backend_impl", "set_timeout")
+    },
     # imports inside torch/distributed/__init__.py that leak into its namespace, not API
-    **{name: "a module torch.distributed imports, not its API" for name in ("log", "logging", "sys", "torch")},
+    **{
+        name: "a module torch.distributed imports, not its API"
+        for name in ("contextlib", "log", "logging", "sys", "torch")
+    },
     **{name: "a name torch.distributed imports, not its API" for name in ("timedelta", "traceback", "typing")},
 }
 
