@@ -197,17 +197,18 @@ def resolve_group(group: Any) -> Optional[ProcessGroup]:
     a tdist backend needs no tdist default group: torch's may be another backend's.
     """
     world = STATE.world
-    if group is None or (world is not None and group is world.torch_group):
-        return _require_init()
+    if world is None:
+        mirrored = getattr(group, "tdist_group", None)
+        if mirrored is not None:  # torch made it beside its own default group, and owns it
+            return mirrored
+        world = _require_init()
+    if group is None or group is world.torch_group:
+        return world
     if group is GroupMember.NON_GROUP_MEMBER:
         return None
     mirrored = getattr(group, "tdist_group", None)  # a torch.distributed group made by tdist (tdist._torch)
     if mirrored is not None:
-        if world is None:  # torch made it beside its own default group, and owns it
-            return mirrored
         group = mirrored
-    elif world is None:
-        _require_init()
     elif type(group) is int and group == _TORCH_NON_MEMBER:
         return None
     if isinstance(group, ProcessGroup):

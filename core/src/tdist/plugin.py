@@ -15,7 +15,8 @@ to this by a lint rule, ``ruff`` TID251, and by ``tests/test_plugin_contract.py`
   :func:`premul_factor`, :func:`plan_reduction` (how a library with some native dtypes
   runs a reduction: :class:`ReductionPlan`);
 - errors: :class:`DistError` and its subclasses, :func:`backend_error` (a library's
-  exception as the tdist error, timeouts told apart);
+  exception as the tdist error, timeouts told apart), :func:`descriptor_shortage` (an
+  ``EMFILE``/``ENFILE`` named, with the limit);
 - settings: :func:`flag` (boolean environment variables and ``pg_options``);
 - addresses: :func:`local_address_for`, :func:`store_endpoint`, :func:`route_address`
   (which local address reaches the job's store);
@@ -25,7 +26,7 @@ to this by a lint rule, ``ruff`` TID251, and by ``tests/test_plugin_contract.py`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from ._backend import (
     ANY_SOURCE_OP,
@@ -50,6 +51,7 @@ from ._errors import (
     backend_error,
 )
 from ._flags import flag
+from ._oserror import describe as _describe_os_error, out_of_descriptors as _out_of_descriptors
 from ._plugins import BackendRegistry, RendezvousHandler, RendezvousRegistry, WorkInfo, plugins
 from ._reduce_op import ReduceOp, Reduction, as_reduction
 from ._store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore
@@ -109,6 +111,7 @@ __all__ = [
     "DistStoreError",
     "DistStoreTimeoutError",
     "backend_error",
+    "descriptor_shortage",
     # in-process registration
     "register_plugin",
     "registered_plugins",
@@ -131,6 +134,16 @@ __all__ = [
     "TCPStore",
     "QueueEmptyError",
 ]
+
+
+def descriptor_shortage(exc: BaseException) -> Optional[str]:
+    """When ``exc`` is EMFILE or ENFILE (no file descriptor left, in this process or the
+    system): what ran out, the limit and what to do (``EMFILE (Too many open files): ...``);
+    None for any other error."""
+    if not _out_of_descriptors(exc):
+        return None
+    assert isinstance(exc, OSError)
+    return _describe_os_error(exc)
 
 
 def register_plugin(plugin: Any, name: str) -> None:

@@ -28,6 +28,7 @@ from tdist.plugin import (
     DistBackendTimeoutError,
     DistNetworkError,
     DistStoreTimeoutError,
+    descriptor_shortage,
     flag,
     route_address,
     store_endpoint,
@@ -46,7 +47,6 @@ from .auth import (
     parse_hello,
     token_mismatch_hint,
 )
-from .oserrors import out_of_descriptors
 
 __all__ = [
     "choose_host",
@@ -203,7 +203,7 @@ class _Acceptor(threading.Thread):
             sel = self._sel = selectors.DefaultSelector()
         except OSError as exc:  # e.g. out of file descriptors: reported by connect_mesh
             self.error = exc
-            self._out_of_descriptors(exc)
+            self._descriptor_shortage(exc)
             return
         try:
             for listener in self.listeners:
@@ -240,7 +240,7 @@ class _Acceptor(threading.Thread):
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:  # e.g. out of file descriptors: the connector retries
-            if self._out_of_descriptors(exc):  # said in this rank's timeout error; wait, rather than spin
+            if self._descriptor_shortage(exc):  # said in this rank's timeout error; wait, rather than spin
                 time.sleep(0.05)
             return
         if len(self._pending) >= MAX_PENDING:
@@ -251,9 +251,9 @@ class _Acceptor(threading.Thread):
         self._pending[conn] = p
         self._sel.register(conn, selectors.EVENT_READ)
 
-    def _out_of_descriptors(self, exc: OSError) -> bool:
+    def _descriptor_shortage(self, exc: OSError) -> bool:
         """Whether ``exc`` is EMFILE or ENFILE; then keep why, and tell it once (``on_exhausted``)."""
-        why = out_of_descriptors(exc)
+        why = descriptor_shortage(exc)
         if why is None:
             return False
         if not self.exhausted and self.on_exhausted is not None:
@@ -550,11 +550,11 @@ def _connect_one(
             ) from None
         except (OSError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
-            if out_of_descriptors(exc) is not None:  # retrying would not give one back
+            if descriptor_shortage(exc) is not None:  # retrying would not give one back
                 _close_all(opened)
                 raise DistNetworkError(
                     f"tcp backend: rank {rank} cannot open a connection to rank {peer} at {addr}: "
-                    f"{out_of_descriptors(exc)}"
+                    f"{descriptor_shortage(exc)}"
                 ) from None
             why = _tls.fatal(exc) if tls is not None else None
             if why is not None:  # e.g. the peer refused this rank's certificate (TLS 1.3 says so after the handshake)
@@ -656,7 +656,7 @@ def connect_mesh(
         family, socktype, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         listener = socket.socket(family, socktype, proto)
     except OSError as exc:
-        why = out_of_descriptors(exc) or exc
+        why = descriptor_shortage(exc) or exc
         raise DistNetworkError(f"tcp backend: rank {rank} cannot listen on {host!r}: {why}") from None
     use_unix = _unix_enabled(options)
     unix_listener: Optional[socket.socket] = None
@@ -705,7 +705,7 @@ def connect_mesh(
             acceptor.join(max(0.0, deadline - time.monotonic()) + 0.5)
             connected.update(acceptor.complete())
             if acceptor.error is not None:
-                error = out_of_descriptors(acceptor.error) or acceptor.error
+                error = descriptor_shortage(acceptor.error) or acceptor.error
                 raise DistNetworkError(f"tcp backend: rank {rank} failed accepting connections: {error}")
             missing = [p for p in range(rank + 1, size) if p not in connected]
             if missing:

@@ -28,8 +28,9 @@ import stat
 import struct
 from typing import Optional
 
+from tdist.plugin import descriptor_shortage
+
 from .auth import MAC_SIZE, mac
-from .oserrors import out_of_descriptors
 
 __all__ = ["NAME_PREFIX", "layout", "create", "scope", "locator", "attach", "close_fd"]
 
@@ -103,7 +104,7 @@ def attach(where: str, total: int, size: int, slot: int, nonce: bytes, key: byte
             return None
         fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        if out_of_descriptors(exc) is not None:
+        if descriptor_shortage(exc) is not None:
             raise  # the caller says so
         return None
     try:

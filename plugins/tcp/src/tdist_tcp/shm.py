@@ -68,12 +68,18 @@ import warnings
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import numpy as np
-from tdist.plugin import DistBackendError, DistBackendTimeoutError, DistStoreTimeoutError, ReduceOp, flag
+from tdist.plugin import (
+    DistBackendError,
+    DistBackendTimeoutError,
+    DistStoreTimeoutError,
+    ReduceOp,
+    descriptor_shortage,
+    flag,
+)
 
 from . import native, segment
 from .futex import futex_wait, futex_wake
 from .kernels import Kernel
-from .oserrors import out_of_descriptors
 from .wire import describe
 
 if TYPE_CHECKING:
@@ -212,7 +218,7 @@ def open_shm(
 
 def _say_no_descriptors(rank: int, exc: OSError) -> None:
     """Warn that the shared segment is declined for want of file descriptors (EMFILE, ENFILE)."""
-    why = out_of_descriptors(exc)
+    why = descriptor_shortage(exc)
     if why is not None:
         warnings.warn(
             f"tcp backend: rank {rank} cannot map the group's shared memory: {why}; collectives of this group "
