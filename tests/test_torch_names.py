@@ -42,6 +42,15 @@ def test_every_public_name_of_torch_distributed_is_in_tdist():
         dist.no_such_name  # noqa: B018
 
 
+def test_every_name_dir_lists_is_there():
+    """``dir(tdist)`` lists only names this torch has: copying tdist's namespace
+    (``{k: getattr(tdist, k) for k in dir(tdist)}``) works on CPU builds, where torch
+    has no ProcessGroupNCCL."""
+    unreachable = [name for name in dir(dist) if not hasattr(dist, name)]
+    assert not unreachable, f"dir(tdist) lists names getattr cannot reach: {unreachable}"
+    assert ("ProcessGroupNCCL" in dir(dist)) == hasattr(td, "ProcessGroupNCCL")
+
+
 def _shared_functions() -> list[str]:
     names = []
     for name in sorted({*dist.__all__, *_torch_public_names(), "_coalescing_manager"}):

@@ -114,9 +114,9 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    from ._torch_names import FROM_TORCH
+    from ._torch_names import torch_names_here
 
-    return sorted({*globals(), *FROM_TORCH})
+    return sorted({*globals(), *torch_names_here()})
 
 
 __all__ = [

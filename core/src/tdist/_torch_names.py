@@ -24,7 +24,7 @@ from ._dispatch import coalescing
 from ._groups import resolve_group
 from ._work import Work
 
-__all__ = ["FROM_TORCH", "NOT_PROVIDED", "breakpoint", "from_torch"]
+__all__ = ["FROM_TORCH", "NOT_PROVIDED", "breakpoint", "from_torch", "torch_names_here"]
 
 #: torch.distributed's names that are torch's own objects in tdist too.
 FROM_TORCH = frozenset(
@@ -115,6 +115,23 @@ def from_torch(name: str) -> Any:
             return importlib.import_module(f"torch.distributed.{name}")
         except ImportError:
             raise AttributeError(f"module 'tdist' has no attribute {name!r} (this torch has none)") from None
+
+
+def torch_names_here() -> set[str]:
+    """The names of :data:`FROM_TORCH` this interpreter's torch has (none without torch):
+    what ``dir(tdist)`` lists, so that ``getattr(tdist, name)`` works for each."""
+    import importlib.util
+
+    try:
+        import torch.distributed as torch_dist
+    except ImportError:
+        return set()
+    present = set(dir(torch_dist))
+    return {
+        name
+        for name in FROM_TORCH
+        if name in present or importlib.util.find_spec(f"torch.distributed.{name}") is not None
+    }
 
 
 class _RankPdb(pdb.Pdb):
