@@ -45,6 +45,7 @@ __all__ = [
     "zero_dim_and_empty",
     "noncontiguous",
     "work_api",
+    "future_callback_issues_collective",
 ]
 
 #: torch gloo's Work of these reports is_completed() == False after wait() returned
@@ -431,3 +432,24 @@ def work_api():
     w2 = dist.all_reduce(t2, async_op=True)
     chained = w2.get_future().then(lambda f: f.value()[0] * 2)
     assert_tensor(chained.wait(), torch.full((2,), float(n * (n - 1))), "future.then on all_reduce")
+
+
+@body
+def future_callback_issues_collective():
+    """A Future's ``then`` callback that issues another collective on the same group and
+    waits for that one's Future (DDP's PowerSGD hook does this, in the thread that
+    completed the first): no deadlock, right values. The callback is attached while the
+    first collective is still queued, so a backend runs it in its own thread."""
+    torch = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    for round_ in range(3):
+        first = torch.full((3,), float(r + round_))
+        second = torch.full((2,), float(r + 1))
+
+        def then(fut: Any, second: Any = second) -> Any:
+            inner = dist.all_reduce(second, async_op=True).get_future().wait()
+            return fut.value()[0] + inner[0].sum()
+
+        chained = dist.all_reduce(first, async_op=True).get_future().then(then)
+        expected = n * (n - 1) / 2 + n * round_ + 2 * n * (n + 1) / 2
+        assert_tensor(chained.wait(), torch.full((3,), float(expected)), f"round {round_}: then-callback's all_reduce")

@@ -120,10 +120,10 @@ class MPIWork(Work):
                 error = exc
             self._finalize = None
         if error is not None:
-            self.set_exception(error)
+            _progress.run_callbacks(self.set_exception, error)
             return
         status = self._status
-        self.set_result(self._outputs, status.Get_source() if status is not None else -1)
+        _progress.run_callbacks(self.set_result, self._outputs, status.Get_source() if status is not None else -1)
 
     def abandon(self, error: BaseException) -> None:
         """The group is being destroyed: cancel the request if it is still pending (MPI can
@@ -181,21 +181,42 @@ class MPIWork(Work):
 
 
 class _Progress:
-    """Polls works that have done-callbacks until they complete (one daemon thread)."""
+    """Polls works that have done-callbacks until they complete (one daemon thread).
+
+    A done-callback may issue another operation and wait for its Future (torch runs a
+    Future's ``then`` callbacks in the completing thread; DDP's PowerSGD hook
+    all-reduces inside one): a work watched while the polling thread is in a callback
+    starts a new polling thread, which takes the role over."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._works: list[MPIWork] = []
         self._thread: Optional[threading.Thread] = None
+        self._in_callbacks: Optional[threading.Thread] = None  # the polling thread, while in done-callbacks
         self._stopping = False
         self._atexit = False
+
+    def run_callbacks(self, complete: Callable[..., None], *args: Any) -> None:
+        """``complete(*args)`` (a Work's set_result/set_exception, which runs its
+        done-callbacks), noting when the polling thread is the one running them."""
+        me = threading.current_thread()
+        if self._thread is not me:
+            complete(*args)
+            return
+        self._in_callbacks = me
+        try:
+            complete(*args)
+        finally:
+            with self._lock:
+                if self._in_callbacks is me:
+                    self._in_callbacks = None
 
     def watch(self, work: MPIWork) -> None:
         with self._lock:
             if self._stopping:
                 return
             self._works.append(work)
-            if self._thread is None:
+            if self._thread is None or self._in_callbacks is self._thread:
                 if not self._atexit:  # stop polling before mpi4py's MPI_Finalize at exit
                     import atexit
 
@@ -212,9 +233,12 @@ class _Progress:
             thread.join(1.0)
 
     def _run(self) -> None:
+        me = threading.current_thread()
         idle = 0
         while True:
             with self._lock:
+                if self._thread is not me:
+                    return  # a new polling thread took over while this one ran callbacks
                 if self._stopping:
                     self._thread = None
                     return
@@ -224,7 +248,7 @@ class _Progress:
                 if finished:
                     gone = {id(w) for w in finished}
                     self._works = [w for w in self._works if id(w) not in gone]
-                if not self._works:
+                if not self._works and self._thread is me:
                     self._thread = None
                     return
             idle = 0 if finished else idle + 1

@@ -9,6 +9,12 @@ collective that nobody waits on yet still makes progress. Jobs of one lane alway
 run one at a time, in the order they were queued; a caller that runs a job itself
 (:meth:`Lane.claim`, the tcp backend's quick collectives) takes the lane only when
 nothing runs or waits in it.
+
+A Work is completed (its done-callbacks run) after its job has given the lane up. A
+callback may queue more work on the same lane and wait for it (torch runs a Future's
+``then`` callbacks in the completing thread; DDP's PowerSGD hook all-reduces inside
+one): a waiter runs its job inline, and when the worker itself is in a callback, the
+job that is queued then starts a new worker, which takes the lane over.
 """
 
 from __future__ import annotations
@@ -83,28 +89,32 @@ class TcpWork(Work):
         self._on_timeout: Optional[Callable[["TcpWork"], bool]] = None
         self.started = False
 
-    def run(self) -> None:
-        """Run the queued function and complete this Work with its result or error. An
-        interrupt (a non-``Exception``, which CPython raises only in the main thread) fails
-        the Work and propagates, unless this is the lane's own thread (whose loop must go on)."""
+    def execute(self) -> Optional[tuple[Callable[[Any], None], Any]]:
+        """Run the queued function; return how to complete this Work (:meth:`complete`),
+        which the lane does after giving the lane up: a done-callback may then queue and
+        wait for more work on the same lane. An interrupt (a non-``Exception``, which
+        CPython raises only in the main thread) fails the Work at once and propagates,
+        unless this is the lane's own thread (whose loop must go on): then None."""
         try:
-            result = self.fn()
+            return (self.set_result, self.fn())
+        except Exception as exc:
+            return (self.set_exception, exc)
         except BaseException as exc:
-            if not isinstance(exc, Exception):
-                _interrupted(self, exc)
-                lane = self._lane
-                if lane is None or threading.current_thread() is not lane._thread:
-                    raise
-                return
-            try:  # the Work's done-callbacks run here: their errors are not the lane's
-                self.set_exception(exc)
+            _interrupted(self, exc)
+            lane = self._lane
+            if lane is None or threading.current_thread() is not lane._thread:
+                raise
+            return None
+
+    @staticmethod
+    def complete(outcome: Optional[tuple[Callable[[Any], None], Any]]) -> None:
+        """Complete a Work as :meth:`execute` said; its done-callbacks run here, and their
+        errors are not the lane's."""
+        if outcome is not None:
+            try:
+                outcome[0](outcome[1])
             except Exception:
                 pass
-            return
-        try:
-            self.set_result(result)
-        except Exception:
-            pass
 
     def _block(self, timeout: Optional[float]) -> bool:
         job = self._job
@@ -142,6 +152,7 @@ class Lane:
         self._last = 0.0
         self._closed: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
+        self._completing: Optional[threading.Thread] = None  # the worker, while it runs done-callbacks
 
     def submit(self, fn: Callable[[], Any], work: "TcpWork", eager: bool = False) -> None:
         """Queue ``fn`` (its result completes ``work``). ``eager``: the worker starts it at
@@ -154,11 +165,15 @@ class Lane:
             if self._closed is not None:
                 work.set_exception(self._closed)
                 return
-            job.eager = eager or self._busy or bool(self._queue)
+            # the worker may be in a done-callback that waits for this very job (torch's
+            # Future callbacks, PowerSGD's): a new worker takes the lane over
+            replace = self._completing is not None and self._completing is self._thread
+            job.eager = eager or self._busy or bool(self._queue) or replace
             job.queued_at = self._last = time.monotonic()
             self._queue.append(job)
-            if self._thread is None:
+            if self._thread is None or replace:
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._asleep = False
                 self._thread.start()
             elif self._asleep or eager:
                 self._asleep = False
@@ -234,19 +249,22 @@ class Lane:
                 head = self._queue.popleft()
                 head.started = True
                 self._busy = True
+            outcome = None
             try:
                 with self._running:
-                    head.run()
+                    outcome = head.execute()
             finally:
                 with self._lock:
                     self._busy = False
                     if self._queue:
                         self._cv.notify()
+            head.complete(outcome)
             if head is job:
                 return
 
     def _loop(self) -> None:
         cv = self._cv
+        me = threading.current_thread()
         while True:
             with cv:
                 while True:
@@ -270,13 +288,21 @@ class Lane:
                 self._busy = True
                 if not self._queue:
                     self._urgent = False
+            outcome = None
             try:
                 with self._running:
-                    head.run()
+                    outcome = head.execute()
             finally:
                 with cv:
                     self._busy = False
                     self._last = time.monotonic()
+                    self._completing = me
+            head.complete(outcome)  # outside the lane: see submit
+            with cv:
+                if self._completing is me:
+                    self._completing = None
+                if self._thread is not me:
+                    return  # a new worker took the lane over while this one ran callbacks
 
     def close(self, error: Optional[BaseException] = None) -> None:
         """Fail the queued jobs, stop the worker (after its current job). Idempotent."""
