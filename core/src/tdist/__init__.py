@@ -14,6 +14,8 @@ from ._collectives import (
     all_gather_into_tensor,
     all_gather_single,
     all_reduce,
+    gather_into_tensor,
+    gather_single,
     all_to_all,
     all_to_all_single,
     barrier,
@@ -53,6 +55,7 @@ from ._init import (
     available_backends,
     default_pg_timeout,
     destroy_process_group,
+    get_backend_impl,
     get_backend_spec,
     get_default_backend_for_device,
     get_pg_count,
@@ -63,6 +66,7 @@ from ._init import (
     is_mpi_available,
     is_nccl_available,
     new_group,
+    set_timeout,
 )
 from ._multigpu import all_gather_multigpu, all_reduce_multigpu, broadcast_multigpu, reduce_multigpu
 from ._objects import (
@@ -147,6 +151,8 @@ __all__ = [
     "new_subgroups",
     "new_subgroups_by_enumeration",
     "get_pg_count",
+    "set_timeout",
+    "get_backend_impl",
     "get_node_local_rank",
     "is_torchelastic_launched",
     # point-to-point
@@ -163,6 +169,8 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "gather",
+    "gather_single",
+    "gather_into_tensor",
     "scatter",
     "reduce_scatter",
     "reduce_scatter_tensor",

@@ -327,6 +327,12 @@ class Backend(abc.ABC):
         chunks = list(output.view(-1).chunk(self.size))
         return self.all_gather([c.view(tensor.shape) for c in chunks], tensor)
 
+    def gather_into_tensor(self, tensor: "torch.Tensor", output: Optional["torch.Tensor"], dst: int) -> Work:
+        """On ``dst``, ``output`` (size * tensor's numel, contiguous) receives every rank's
+        ``tensor`` in rank order; ``output`` is None elsewhere."""
+        chunks = None if output is None else [c.view(tensor.shape) for c in output.view(-1).chunk(self.size)]
+        return self.gather(tensor, chunks, dst)
+
     def reduce_scatter_tensor(self, output: "torch.Tensor", tensor: "torch.Tensor", op: Reduction) -> Work:
         """Rank i's ``output`` receives the reduction of chunk i of every rank's ``tensor``."""
         chunks = [c.view(output.shape) for c in tensor.reshape(-1).chunk(self.size)]
@@ -409,6 +415,12 @@ class Backend(abc.ABC):
         if not isinstance(work, Work):
             raise DistError(f"backend {self.name!r} returned {type(work).__name__}, not a tdist.Work")
         work.wait(timeout)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Operations issued from now on time out after ``timeout`` (``tdist.set_timeout``).
+        The default records it in ``self.timeout``; a backend that keeps its own copies of
+        the timeout overrides it (and calls this one)."""
+        self.timeout = timeout
 
     def shutdown(self) -> None:
         """Release connections and threads. Called once by ``destroy_process_group``."""

@@ -20,6 +20,7 @@ from ._observe import rejected, run_observed
 from ._reduce_op import ReduceOp, as_reduction
 from ._validate import (
     check_all_to_all_splits,
+    check_gather_tensor,
     check_same_dtype,
     check_tensor,
     check_tensor_list,
@@ -39,6 +40,8 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "gather",
+    "gather_single",
+    "gather_into_tensor",
     "scatter",
     "reduce_scatter",
     "reduce_scatter_tensor",
@@ -206,6 +209,36 @@ def gather(
     return issue(
         pg, "gather", device_type(tensor), lambda b: b.gather(t, staged, root), async_op, copies, (tensor,), root=root
     )
+
+
+@rejected("gather_single")
+def gather_single(
+    tensor: "torch.Tensor",
+    gather_tensor: Optional["torch.Tensor"] = None,
+    dst: Optional[int] = None,
+    group: Any = None,
+    async_op: bool = False,
+    group_dst: Optional[int] = None,
+) -> Optional[Work]:
+    """On rank ``dst`` (default 0), ``gather_tensor`` (contiguous, group size ×
+    ``tensor``'s elements: flat or stacked) receives every rank's ``tensor`` in rank
+    order; other ranks need no ``gather_tensor`` (it is not used there)."""
+    check_tensor("gather_single", "tensor", tensor)
+    pg = resolve_group(group)
+    if pg is None:
+        warn_not_member("gather_single")
+        return None
+    root = peer_rank("gather_single", pg, "dst", dst, group_dst, default=0)
+    out: Optional["torch.Tensor"] = None
+    if pg.rank == root:
+        out = check_gather_tensor("gather_single", gather_tensor, tensor, pg.size)
+    t = contiguous_view(tensor, None, output=False)
+    call = lambda b: b.gather_into_tensor(t, out, root)  # noqa: E731
+    return issue(pg, "gather", device_type(tensor), call, async_op, (), (tensor,), root=root)
+
+
+#: torch's earlier name of :func:`gather_single`.
+gather_into_tensor = gather_single
 
 
 @rejected("scatter")

@@ -31,6 +31,8 @@ __all__ = [
     "is_nccl_available",
     "get_default_backend_for_device",
     "get_pg_count",
+    "set_timeout",
+    "get_backend_impl",
 ]
 
 #: Default timeout of every blocking operation, as in torch.distributed.
@@ -378,3 +380,52 @@ def destroy_process_group(group: Any = None) -> None:
     bridging.forget_all(groups)
     if store is not None:
         store.close()
+
+
+def set_timeout(timeout: timedelta, group: Any = None) -> None:
+    """Operations issued on ``group`` (default: the default group) from now on time out
+    after ``timeout`` instead of the timeout it was created with; every backend of the
+    group is told (:meth:`tdist.plugin.Backend.set_timeout`)."""
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"set_timeout: timeout must be a positive timedelta, got {timeout!r}")
+    pg = resolve_group(group)
+    if pg is None:
+        raise ValueError("set_timeout: this rank is not a member of the group")
+    pg.timeout = timeout
+    for backend in {id(b): b for b in pg.backends.values()}.values():
+        backend.set_timeout(timeout)
+
+
+def get_backend_impl(group: Any = None, device: Any = None) -> Backend:
+    """The backend object (a :class:`tdist.plugin.Backend`) that runs ``group``'s
+    operations on ``device`` (a device, its type, or None: the group's one backend).
+    ``group`` may also be given by name. Backend methods beyond the contract are the
+    backend's own business."""
+    if isinstance(group, str):
+        named = [pg for pg in (STATE.world, *STATE.groups) if pg is not None and group in _names_of(pg)]
+        if not named:
+            raise ValueError(f"get_backend_impl: no process group named {group!r} on this rank")
+        group = named[0]
+    pg = resolve_group(group)
+    if pg is None:
+        raise ValueError("get_backend_impl: this rank is not a member of the group")
+    if device is not None:
+        kind = device if isinstance(device, str) else getattr(device, "type", str(device))
+        kind = kind.split(":")[0]
+        if kind not in pg.backends:
+            raise ValueError(
+                f"get_backend_impl: group {pg.name!r} has no backend for {kind!r} (it has {sorted(pg.backends)})"
+            )
+        return pg.backends[kind]
+    distinct = {id(b): b for b in pg.backends.values()}
+    if len(distinct) > 1:
+        raise ValueError(
+            f"get_backend_impl: group {pg.name!r} has a backend per device type ({sorted(pg.backends)}); pass device"
+        )
+    return next(iter(distinct.values()))
+
+
+def _names_of(pg: ProcessGroup) -> set[str]:
+    """``pg``'s own name and its torch mirror's."""
+    mirror = pg.torch_group
+    return {pg.name} if mirror is None else {pg.name, mirror.group_name}

@@ -82,10 +82,6 @@ NOT_PROVIDED = {
     "(entry point group 'tdist', hook tdist_register_rendezvous)",
     "shrink_group": "fault-tolerant groups (shrink, split, grow) are not in tdist yet",
     "split_group": "fault-tolerant groups (shrink, split, grow) are not in tdist yet",
-    **{
-        name: "new in torch 2.14; not in tdist yet"
-        for name in ("gather_into_tensor", "gather_single", "get_backend_impl", "set_timeout")
-    },
     # imports inside torch/distributed/__init__.py that leak into its namespace, not API
     **{
         name: "a module torch.distributed imports, not its API"

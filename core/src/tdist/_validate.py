@@ -90,6 +90,21 @@ def check_whole(operation: str, whole_name: str, whole: "torch.Tensor", part: "t
         )
 
 
+def check_gather_tensor(
+    operation: str, gather_tensor: Optional["torch.Tensor"], tensor: "torch.Tensor", size: int
+) -> "torch.Tensor":
+    """The destination's ``gather_tensor`` of :func:`tdist.gather_single`: given, a
+    contiguous tensor of ``tensor``'s dtype holding ``size`` times its elements."""
+    if gather_tensor is None:
+        raise ValueError(f"{operation}: gather_tensor must be specified on the destination rank")
+    check_tensor(operation, "gather_tensor", gather_tensor)
+    check_same_dtype(operation, "gather_tensor", gather_tensor, "tensor", tensor)
+    if not gather_tensor.is_contiguous():
+        raise ValueError(f"{operation}: gather_tensor must be contiguous")
+    check_whole(operation, "gather_tensor", gather_tensor, tensor, size)
+    return gather_tensor
+
+
 def check_root(operation: str, pg: ProcessGroup, name: str, group_rank: int, allow_self: bool = True) -> int:
     """``group_rank`` if it names a rank of ``pg`` (and, unless ``allow_self``, not this one)."""
     if not isinstance(group_rank, int) or not 0 <= group_rank < pg.size:

@@ -32,6 +32,7 @@ from .._groups import ProcessGroup
 from .._reduce_op import ReduceOp, Reduction, make_premul_sum
 from .._validate import (
     check_all_to_all_splits,
+    check_gather_tensor,
     check_root,
     check_same_dtype,
     check_tensor_list,
@@ -217,7 +218,9 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         return self.tdist_group.backend_name
 
     def set_timeout(self, timeout: timedelta) -> None:
-        self.tdist_group.timeout = timeout
+        from .._init import set_timeout
+
+        set_timeout(timeout, self.tdist_group)
 
     # ------------------------------------------------------------- plumbing
     def _run(
@@ -393,6 +396,16 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         t = contiguous_view(tensor, None, output=False)
         call = lambda b: b.gather(t, staged, root)  # noqa: E731
         return self._run("gather", _device(tensor), call, output_tensors, (tensor,), copies, opts, root=root)
+
+    def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> BridgeWork:
+        """torch 2.14's ``gather_single``: ``output`` on the root (torch passes an empty
+        placeholder elsewhere) receives every rank's ``input`` in rank order."""
+        pg = self.tdist_group
+        root = check_root("gather_single", pg, "dst", opts.rootRank if opts is not None else 0)
+        out = check_gather_tensor("gather_single", output, input, pg.size) if pg.rank == root else None
+        t = contiguous_view(input, None, output=False)
+        call = lambda b: b.gather_into_tensor(t, out, root)  # noqa: E731
+        return self._run("gather", _device(input), call, [output], (input,), (), opts, root=root)
 
     def scatter(  # type: ignore[override]
         self,

@@ -31,6 +31,7 @@ __all__ = [
     "reduce",
     "all_gather",
     "gather",
+    "gather_single",
     "scatter",
     "reduce_scatter",
     "all_to_all",
@@ -152,6 +153,36 @@ def gather(group: str = "world", async_op: bool = False):
         if gather_list is not None:  # this rank is dst
             for i, m in enumerate(s.members):
                 assert_tensor(gather_list[i], value(m, 3, salt=dst), f"gather to {dst}, entry {i}")
+
+
+@body(params=GROUP_ASYNC, tdist_only="gather_single is torch 2.14's (the reference runs torch's older release)")
+def gather_single(group: str = "world", async_op: bool = False):
+    """gather_single to every member in turn, into a flat and into a stacked gather_tensor
+    (and under its older name gather_into_tensor); a missing or wrongly sized
+    gather_tensor on the destination is refused before communicating."""
+    torch = _torch()
+    s = Sub(group)
+    for dst in s.members:
+        for shape in ((s.size * 6,), (s.size, 2, 3)):
+            out = torch.full(shape, -1.0) if s.rank == dst else None
+            issue(s, dist.gather_single, value(s.rank, 2, 3, salt=dst), out, dst=dst, async_op=async_op)
+            if out is not None:
+                expected = torch.stack([value(m, 2, 3, salt=dst) for m in s.members]).view(shape)
+                assert_tensor(out, expected, f"gather_single to {dst} into shape {shape}")
+    if not s.is_member:
+        return
+    dst = s.members[0]
+    if s.rank == dst:
+        for bad in (None, torch.zeros(s.size * 6 + 1), torch.zeros(s.size * 12)[::2]):
+            try:
+                dist.gather_single(value(s.rank, 2, 3), bad, dst=dst, **s.kw)
+            except ValueError:
+                continue
+            raise AssertionError(f"gather_single accepted gather_tensor {bad if bad is None else tuple(bad.shape)}")
+    out = torch.zeros(s.size * 4) if s.rank == dst else None
+    issue(s, dist.gather_into_tensor, value(s.rank, 4), out, dst=dst)
+    if out is not None:
+        assert_tensor(out, torch.cat([value(m, 4) for m in s.members]), "gather_into_tensor")
 
 
 @body(params=GROUP_ASYNC)

@@ -349,15 +349,20 @@ def recv_timeout(ctx: ScenarioContext) -> None:
 _TIMED_COLLECTIVES = ("all_reduce", "all_gather", "barrier")
 
 
-def _w_collectives_without_last(group_timeout: float) -> Any:
+def _w_collectives_without_last(group_timeout: float, set_later: bool = False) -> Any:
     """Every rank but the last issues each of :data:`_TIMED_COLLECTIVES` on its own group
-    (created with ``group_timeout``); report how each ended."""
+    (created with ``group_timeout``, or with 120 s and then given ``group_timeout`` by
+    ``set_timeout`` when ``set_later``); report how each ended."""
     import torch
 
     from ._common import dist
 
     r, n = dist.get_rank(), dist.get_world_size()
-    groups = {op: dist.new_group(list(range(n)), timeout=timedelta(seconds=group_timeout)) for op in _TIMED_COLLECTIVES}
+    created = timedelta(seconds=120 if set_later else group_timeout)
+    groups = {op: dist.new_group(list(range(n)), timeout=created) for op in _TIMED_COLLECTIVES}
+    if set_later:
+        for g in groups.values():
+            dist.set_timeout(timedelta(seconds=group_timeout), group=g)
     result: dict = {}
     if r == n - 1:
         return result  # the rank that never arrives
@@ -413,6 +418,27 @@ def collective_timeout(ctx: ScenarioContext) -> None:
                     f"rank {r}: {op}'s timeout does not name the missing rank {n - 1}: {got['message'][:300]}"
                 )
     assert not problems, "collective timeout: " + "; ".join(problems)
+
+
+@scenario(tdist_only="set_timeout is torch 2.14's (the reference runs an older torch)", timeout=150)
+def set_timeout_applies(ctx: ScenarioContext) -> None:
+    """set_timeout(2 s) on groups created with a 120 s timeout: collectives whose last rank
+    never arrives raise after about 2 s on every rank that issued them."""
+    group_timeout, n = 2.0, 3
+    with ctx.spawn(n, pg_timeout=60) as world:
+        outcomes = world.try_run(_w_collectives_without_last, timeout=90, group_timeout=group_timeout, set_later=True)
+    problems = []
+    for r, o in enumerate(outcomes[: n - 1]):
+        if isinstance(o, RankFailure):
+            problems.append(f"rank {r}: {o.headline}")
+            continue
+        for op in _TIMED_COLLECTIVES:
+            got = o[op]
+            if got["type"] is None:
+                problems.append(f"rank {r}: {op} without rank {n - 1} returned normally")
+            elif got["elapsed"] > group_timeout + 30:
+                problems.append(f"rank {r}: {op} raised after {got['elapsed']:.1f} s: set_timeout(2 s) did not apply")
+    assert not problems, "set_timeout: " + "; ".join(problems)
 
 
 @scenario(timeout=120)

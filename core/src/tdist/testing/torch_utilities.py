@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from datetime import timedelta
 from typing import Any, Callable
 
 from ._registry import body
@@ -178,6 +179,16 @@ def groups_both_ways() -> None:
 
     reduced = functional.all_reduce(torch.ones(2), "sum", ours).wait()  # torch's C++ side finds the group by name
     assert_tensor(reduced, torch.full((2,), float(n)), "functional all_reduce over the module's group")
+    if hasattr(td, "gather_single"):  # torch 2.14 and later: its new functions on the module's group
+        out = torch.zeros(n, 2) if r == 0 else None
+        td.gather_single(torch.full((2,), float(r)), out, dst=0, group=ours)
+        if out is not None:
+            expected = torch.arange(n, dtype=torch.float32).repeat_interleave(2).view(n, 2)
+            assert_tensor(out, expected, "torch gather_single over the module's group")
+        td.set_timeout(timedelta(seconds=77), group=ours)
+        if is_tdist():
+            got = dist.get_backend_impl(ours).timeout
+            assert_equal(got, timedelta(seconds=77), "torch's set_timeout reaches the module's backend")
     first = dist.new_group([0])
     if r != 0:  # a non-member's handle is torch's non-member too: torch warns and does nothing
         with warnings.catch_warnings():

@@ -319,6 +319,10 @@ class GlooBackend(Backend):
         threading.Thread(target=_release, args=([pg],), name="tdist-gloo-release", daemon=True).start()
         del pg
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self._pg._set_default_timeout(timeout)
+
     def shutdown(self) -> None:
         if self._closed:
             return

@@ -347,6 +347,10 @@ class MPIBackend(Backend):
         """The group's MPI communicator (an mpi4py ``Comm``)."""
         return self._comm
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self._t = timeout.total_seconds()
+
     def shutdown(self) -> None:
         """Fail the operations still pending (cancelling receives), then free the communicator."""
         error = DistBackendError(f"mpi backend: group rank {self.rank}'s process group was destroyed")

@@ -650,6 +650,13 @@ class TcpBackend(Backend):
         return self._submit("barrier", None, None, body)
 
     # ---------------------------------------------------------------- closing
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self._timeout_s = float(seconds(timeout))  # type: ignore[arg-type]
+        self._work_timeout = self._timeout_s + 5.0
+        self._tr.timeout = self._timeout_s
+        self._coll_lane.inline_limit = self._send_lane.inline_limit = self._timeout_s
+
     def shutdown(self) -> None:
         """Say goodbye to the peers, close the sockets and stop every thread. Idempotent."""
         with self._shut_lock:
