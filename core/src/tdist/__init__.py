@@ -93,7 +93,7 @@ from ._store import (
     from_torch_store,
 )
 from ._store.tls import TlsConfig, TlsError
-from ._subgroups import new_subgroups, new_subgroups_by_enumeration
+from ._subgroups import new_subgroups, new_subgroups_by_enumeration, split_group
 from ._work import Work
 from ._torch_names import _coalescing_manager as _coalescing_manager, breakpoint, from_torch as _from_torch
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
@@ -150,6 +150,7 @@ __all__ = [
     "get_process_group_ranks",
     "new_subgroups",
     "new_subgroups_by_enumeration",
+    "split_group",
     "get_pg_count",
     "set_timeout",
     "get_backend_impl",

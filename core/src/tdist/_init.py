@@ -313,7 +313,9 @@ def new_group(
 ) -> Any:
     """Create a group of the global ``ranks`` (default: all). Every rank of the world
     must call ``new_group`` in the same order, members or not; non-members get
-    ``GroupMember.NON_GROUP_MEMBER``. ``backend`` defaults to the world's; ``device_id``
+    ``GroupMember.NON_GROUP_MEMBER``. With ``use_local_synchronization``, only the
+    members call it (each creating the groups of one set of ranks in the same order);
+    a non-member's call returns at once. ``backend`` defaults to the world's; ``device_id``
     is passed to the backends as ``pg_options["device_id"]``, as for init_process_group.
     Group ranks follow the global ranks' order; with ``sort_ranks=False`` they follow
     the order of ``ranks`` instead (``ranks[i]`` is group rank ``i``)."""
@@ -330,12 +332,17 @@ def new_group(
             raise ValueError(f"new_group: rank(s) {bad} out of range for world size {world.size}")
         if not members:
             raise ValueError("new_group: ranks is empty")
-    STATE.group_count += 1
-    name = f"pg{STATE.group_count}"
     display, devices = _parse_backend(backend) if backend else (world.backend_name, _same_devices(world))
-    if world.rank not in members:
-        bridging.mirror_new_group(None, members, devices, group_desc)
-        return GroupMember.NON_GROUP_MEMBER
+    if use_local_synchronization:
+        if world.rank not in members:
+            return GroupMember.NON_GROUP_MEMBER
+        name = _local_group_name(members)
+    else:
+        STATE.group_count += 1
+        name = f"pg{STATE.group_count}"
+        if world.rank not in members:
+            bridging.mirror_new_group(None, members, devices, group_desc)
+            return GroupMember.NON_GROUP_MEMBER
     timeout = timeout or world.timeout
     join(STATE.store, f"tdist/{name}", world.rank, members, timeout, backend=display)
     options = {**STATE.options, **(pg_options or {})}
@@ -344,8 +351,20 @@ def new_group(
     pg = _build_group(name, members, world.rank, devices, display, STATE.store, timeout, options)
     STATE.groups.append(pg)
     _announce(plugins().group_created, pg)
-    bridging.mirror_new_group(pg, members, devices, group_desc)
+    bridging.mirror_new_group(pg, members, devices, group_desc, local=use_local_synchronization)
     return pg.handle
+
+
+#: How many groups of each set of ranks this process made with use_local_synchronization.
+_local_groups: dict[tuple[int, ...], int] = {}
+
+
+def _local_group_name(members: Sequence[int]) -> str:
+    """The name of a group only its ``members`` create: the same on each of them (they
+    make the groups of one set of ranks in the same order), unlike every other's."""
+    key = tuple(members)
+    _local_groups[key] = _local_groups.get(key, 0) + 1
+    return f"local-{'.'.join(map(str, key))}-{_local_groups[key]}"
 
 
 def _announce(hook: Any, pg: ProcessGroup) -> None:
@@ -374,6 +393,7 @@ def destroy_process_group(group: Any = None) -> None:
         return
     groups, store = STATE.groups, STATE.store
     STATE.reset()
+    _local_groups.clear()
     for pg in reversed(groups):
         _announce(plugins().group_destroyed, pg)
         pg.shutdown()

@@ -160,13 +160,16 @@ def create_torch_group(name: str, options: Any, pg_options: Any) -> Any:
     return create(name, options, pg_options)
 
 
-def mirror_new_group(pg: Any, members: Sequence[int], devices: dict[str, str], group_desc: Optional[str]) -> None:
-    """Mirror a group ``tdist.new_group`` made (``pg`` None on non-members) when the world is mirrored."""
+def mirror_new_group(
+    pg: Any, members: Sequence[int], devices: dict[str, str], group_desc: Optional[str], local: bool = False
+) -> None:
+    """Mirror a group ``tdist.new_group`` made (``pg`` None on non-members) when the world
+    is mirrored; ``local``: only its members made it (``use_local_synchronization``)."""
     world = _world_mirrored()
     if world:
         from .mirror import mirror_new_group as mirror
 
-        mirror(pg, members, devices, group_desc)
+        mirror(pg, members, devices, group_desc, local)
 
 
 def forget(pg: Any) -> None:

@@ -65,11 +65,13 @@ def mirror_new_group(
     members: Sequence[int],
     devices: dict[str, str],
     group_desc: Optional[str],
+    local: bool = False,
 ) -> None:
     """Mirror the group tdist's ``new_group`` made of ``members`` (``pg`` is None on the
     ranks outside it, which still call torch's ``new_group``: tdist's ``new_group`` is
-    called by every rank, so torch's group names stay in step without
-    ``use_local_synchronization``, whose names would clash for two groups of one set of ranks)."""
+    called by every rank, so torch's group names stay in step). ``local``: only the
+    members made it (``use_local_synchronization``); torch names such a group after its
+    ranks, so a second group of the same ranks stays tdist's only (with a warning)."""
     if not is_mirrored(STATE.world) or unbridgeable(devices):  # the same answer on every rank
         return
     world = STATE.world
@@ -91,8 +93,19 @@ def mirror_new_group(
     if pg is None:
         torch_dist.new_group(list(members), **kwargs)
         return
-    with adopting(pg):
-        torch_dist.new_group(list(members), **kwargs)
+    if local:
+        kwargs["use_local_synchronization"] = True
+    try:
+        with adopting(pg):
+            torch_dist.new_group(list(members), **kwargs)
+    except ValueError as exc:  # torch: "The specified group name has already been created"
+        if not local:
+            raise
+        warnings.warn(
+            f"tdist: torch.distributed names groups made with use_local_synchronization after their "
+            f"ranks, and already has one of {list(members)}: this one is tdist's only ({exc})",
+            stacklevel=4,
+        )
 
 
 def forget(pg: ProcessGroup) -> None:

@@ -22,6 +22,8 @@ from .helpers import (
 
 __all__ = [
     "group_queries",
+    "split_group",
+    "local_synchronization",
     "group_p2p",
     "new_group_options",
     "overlapping_groups",
@@ -215,6 +217,67 @@ def barrier_timeout():
         else:
             raise AssertionError("barrier(timeout=5) accepted a number instead of a timedelta")
     check_world_works("barrier(timeout)")
+
+
+@body(tdist_only="torch's split_group needs an accelerator and a backend that splits communicators (NCCL, XCCL)")
+def split_group():
+    """split_group: the world split into its even ranks (listed backwards: the order is
+    kept) and its odd ranks, each a working group; a rank no split names gets the
+    non-member handle; a subgroup is split by its own ranks only; bad ``split_ranks``
+    are refused before any communication."""
+    torch = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    evens, odds = list(range(0, n, 2))[::-1], list(range(1, n, 2))
+    splits = [evens, odds] if odds else [evens]
+    g = dist.split_group(split_ranks=splits)
+    mine = evens if r in evens else odds
+    assert_equal(dist.get_process_group_ranks(g), mine, "the split's ranks, in split order")
+    assert_equal(dist.get_rank(g), mine.index(r), "group rank in the split")
+    t = torch.full((2,), float(r + 1))
+    dist.all_reduce(t, group=g)
+    assert_tensor(t, torch.full((2,), float(sum(mine) + len(mine))), "all_reduce in the split")
+    lone = dist.split_group(split_ranks=[[n - 1]])
+    if r == n - 1:
+        assert_equal(dist.get_world_size(lone), 1, "a one-rank split")
+    else:
+        assert_true(lone is dist.GroupMember.NON_GROUP_MEMBER, f"a rank in no split got {lone!r}")
+    members = subgroup_ranks(n)
+    if r in members:  # only the parent's ranks call
+        parent = cached_group(members)
+        part = dist.split_group(parent, [list(range(len(members)))[::-1]])
+        assert_equal(dist.get_process_group_ranks(part), members[::-1], "a split of a subgroup")
+        t = torch.ones(1)
+        dist.all_reduce(t, group=part)
+        assert_tensor(t, torch.full((1,), float(len(members))), "all_reduce in a split of a subgroup")
+    for bad in ([], [[]], [[0, 0]], [[n]], [[0], [0]], [[-1]]):
+        try:
+            dist.split_group(split_ranks=bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"split_group accepted split_ranks={bad}")
+    for group in (g, lone):
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
+    check_world_works("split_group")
+
+
+@body(min_world_size=2)
+def local_synchronization():
+    """new_group(use_local_synchronization=True) is called by the group's ranks only,
+    twice for the same ranks (two distinct groups); both work."""
+    torch = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    ends = [0, n - 1]
+    if r in ends:
+        first = dist.new_group(ends, use_local_synchronization=True)
+        second = dist.new_group(ends, use_local_synchronization=True)
+        for k, group in enumerate((first, second)):
+            t = torch.full((2,), float(r + k))
+            dist.all_reduce(t, group=group)
+            assert_tensor(t, torch.full((2,), float(n - 1 + 2 * k)), f"all_reduce in local group {k}")
+        dist.destroy_process_group(second)
+        dist.destroy_process_group(first)
+    check_world_works("use_local_synchronization")
 
 
 @body(requires=("monitored_barrier",))
