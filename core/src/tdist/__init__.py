@@ -94,6 +94,7 @@ from ._store import (
 )
 from ._store.tls import TlsConfig, TlsError
 from ._subgroups import new_subgroups, new_subgroups_by_enumeration, split_group
+from ._shrink import SHRINK_ABORT, SHRINK_DEFAULT, shrink_group
 from ._work import Work
 from ._torch_names import _coalescing_manager as _coalescing_manager, breakpoint, from_torch as _from_torch
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
@@ -151,6 +152,9 @@ __all__ = [
     "new_subgroups",
     "new_subgroups_by_enumeration",
     "split_group",
+    "shrink_group",
+    "SHRINK_DEFAULT",
+    "SHRINK_ABORT",
     "get_pg_count",
     "set_timeout",
     "get_backend_impl",

@@ -77,6 +77,7 @@ FEATURES: tuple[str, ...] = (
     "collective_mismatch",
     "peer_failure",
     "timeout_names_ranks",
+    "shrink_group",
 )
 
 #: How the conformance kit starts a world of a backend (:attr:`BackendSpec.launcher`):

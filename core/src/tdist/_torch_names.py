@@ -80,7 +80,6 @@ FROM_TORCH = frozenset(
 NOT_PROVIDED = {
     "register_rendezvous_handler": "torch's rendezvous registry; tdist's init methods are plugins "
     "(entry point group 'tdist', hook tdist_register_rendezvous)",
-    "shrink_group": "fault-tolerant groups (shrinking a group around lost ranks) are not in tdist yet",
     # imports inside torch/distributed/__init__.py that leak into its namespace, not API
     **{
         name: "a module torch.distributed imports, not its API"

@@ -51,7 +51,10 @@ def mirror_world(world: ProcessGroup) -> None:
         with adopting(world):
             torch_dist.init_process_group(
                 torch_backend_string(_devices(world)),
-                store=as_torch_store(PrefixStore("torch", STATE.store)),
+                # a world that replaced another (shrink_group) keeps torch's keys apart from its predecessor's
+                store=as_torch_store(
+                    PrefixStore("torch" if world.name == "pg0" else f"torch/{world.name}", STATE.store)
+                ),
                 rank=world.rank,
                 world_size=world.size,
                 timeout=world.timeout,

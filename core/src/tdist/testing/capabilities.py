@@ -14,6 +14,7 @@ finer features the spec has no column for:
 ``collective_mismatch``  detecting ranks that issue different collectives / sizes / dtypes / roots
 ``peer_failure``      every survivor of a killed peer raises promptly (not after the timeout)
 ``timeout_names_ranks``  a collective whose peers never arrive raises DistBackendTimeoutError naming them
+``shrink_group``      :func:`shrink_group`: the survivors of a lost rank build the group without it, no restart
 
 A tdist backend declares a finer feature unsupported by listing its key in
 ``BackendSpec.extra["unsupported"]``; an undeclared feature counts as supported.
@@ -60,6 +61,7 @@ TORCH_BACKENDS: dict[str, dict[str, Any]] = {
             "reduce_op.PREMUL_SUM": "torch gloo: 'Cannot use ReduceOp.PREMUL_SUM with Gloo'",
             "dtype.int16": "torch gloo has no int16 reductions: 'Invalid scalar type'",
             "multigpu": "torch.distributed 2.x removed the *_multigpu functions",
+            "shrink_group": "torch's shrink_group is NCCL-only",
         },
     },
     "mpi": {
@@ -72,6 +74,7 @@ TORCH_BACKENDS: dict[str, dict[str, Any]] = {
             "collective_mismatch": "MPI does not check that ranks issue matching collectives",
             "timeout_names_ranks": "an MPI request does not tell which ranks have not arrived",
             "p2p_dtype_check": "MPI does not check that sender and receiver use one datatype",
+            "shrink_group": "torch's shrink_group is NCCL-only",
         },
     },
     "nccl": {

@@ -24,6 +24,7 @@ __all__ = [
     "group_queries",
     "split_group",
     "local_synchronization",
+    "shrink_group_refusals",
     "group_p2p",
     "new_group_options",
     "overlapping_groups",
@@ -278,6 +279,34 @@ def local_synchronization():
         dist.destroy_process_group(second)
         dist.destroy_process_group(first)
     check_world_works("use_local_synchronization")
+
+
+@body(min_world_size=3, requires=("shrink_group",), tdist_only="torch's shrink_group is NCCL-only")
+def shrink_group_refusals():
+    """shrink_group refuses bad arguments before any communication (not a list, empty,
+    out of range, a rank twice, every rank, this rank); live ranks that disagree on the
+    ranks to exclude all raise DistError at once (none waits for the timeout); the
+    world goes on."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    cases = [((1,), TypeError), ([], ValueError), ([n], ValueError), ([1, 1], ValueError)]
+    cases += [(list(range(n)), ValueError), ([r], RuntimeError)]
+    for bad, error in cases:
+        try:
+            dist.shrink_group(bad)
+        except error:
+            continue
+        raise AssertionError(f"shrink_group({bad!r}) did not raise {error.__name__}")
+    trio = dist.new_group([0, 1, 2])
+    if r < 3:  # rank 0 drops rank 2; ranks 1 and 2 drop rank 0, which is alive
+        view = [2] if r == 0 else [0]
+        try:
+            dist.shrink_group(view, group=trio)
+        except dist.DistError as exc:
+            assert_true("disagree" in str(exc), f"rank {r}: the refusal does not say why: {exc}")
+        else:
+            raise AssertionError(f"rank {r}: shrink_group({view}) succeeded although the ranks disagree")
+        dist.destroy_process_group(trio)
+    check_world_works("shrink_group refusals")
 
 
 @body(requires=("monitored_barrier",))

@@ -42,6 +42,10 @@ def _spec() -> BackendSpec:
     if reason is None and cuda_aware():
         operations["cuda"] = _OPS
     unsupported = {
+        "shrink_group": (
+            "a communicator without a lost rank needs MPI's fault tolerance (ULFM: Comm.Revoke/Shrink/Agree), "
+            "which tdist-mpi does not use yet; and under mpirun a rank lost to a signal ends the whole job"
+        ),
         "timeout_names_ranks": "an MPI request that did not complete does not tell which ranks have not arrived",
         "p2p_dtype_check": (
             "MPI checks a message's size, not its datatype: a receive into another dtype of the same "
