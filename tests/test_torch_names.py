@@ -234,3 +234,14 @@ def test_coalesced_single_rank_values_and_future():
     outs = [[torch.zeros(2, 2), torch.zeros(3)]]
     assert dist.all_gather_coalesced(outs, [a, b]) is None
     assert torch.equal(outs[0][0], a) and torch.equal(outs[0][1], b)
+
+
+def test_tdist_subpackages_win_over_torchs():
+    """``tdist.nn`` is tdist's own package (its DistributedDataParallel), also when nothing
+    imported it yet, although torch.distributed has an ``nn`` too."""
+    import subprocess
+    import sys
+
+    code = "import tdist; print(tdist.nn.__name__, hasattr(tdist.nn, 'DistributedDataParallel'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["tdist.nn", "True"], out.stdout + out.stderr

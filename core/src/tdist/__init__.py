@@ -111,8 +111,14 @@ _make_nccl_premul_sum = make_premul_sum
 
 
 def __getattr__(name: str) -> object:
-    """torch.distributed's own objects under their names (``tdist.rpc``, ``tdist.DeviceMesh``,
+    """tdist's own subpackages not imported yet (``tdist.nn``, ``tdist.testing``, ...), then
+    torch.distributed's own objects under their names (``tdist.rpc``, ``tdist.DeviceMesh``,
     ``tdist.AllreduceOptions``, ...: :data:`tdist._torch_names.FROM_TORCH`), looked up on first use."""
+    import importlib
+    import importlib.util
+
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
     value = _from_torch(name)
     globals()[name] = value
     return value

@@ -44,6 +44,7 @@ class ProcessGroup:
     ``torch_group`` is the ``torch.distributed`` ProcessGroup that mirrors this group
     (see :mod:`tdist._torch`), None when not bridged; :attr:`handle` is what the API
     hands out for the group: the mirror when there is one, so torch accepts it too.
+    Setting ``torch_group`` of the default group updates ``GroupMember.WORLD``.
     """
 
     def __init__(
@@ -79,6 +80,11 @@ class ProcessGroup:
     def handle(self) -> Any:
         """The group as the API returns it: its torch.distributed mirror, else itself."""
         return self if self.torch_group is None else self.torch_group
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name == "torch_group" and STATE.world is self:
+            GroupMember.WORLD = self.handle
 
     def next_seq(self) -> int:
         """Advance and return this group's collective counter: every member calls every
@@ -141,8 +147,23 @@ class _NonMember:
         return hash(_TORCH_NON_MEMBER)
 
 
+class GroupMember:
+    """Group sentinels: ``GroupMember.WORLD`` is the default group as the API hands it out
+    (its :attr:`~ProcessGroup.handle`; None before init); ``GroupMember.NON_GROUP_MEMBER``
+    is what non-members get from ``new_group``.
+
+    ``WORLD`` is a plain class attribute, which ``STATE.world`` and the world's
+    ``torch_group`` keep up to date when they are set: torch.compile (Dynamo) reads it as it
+    reads torch's ``GroupMember.WORLD`` (a descriptor here would reach it unresolved).
+    """
+
+    NON_GROUP_MEMBER: Any = _NonMember()
+    WORLD: Any = None
+
+
 class _State:
-    """Everything ``init_process_group`` sets up; reset by ``destroy_process_group``."""
+    """Everything ``init_process_group`` sets up; reset by ``destroy_process_group``.
+    Setting ``world`` updates ``GroupMember.WORLD``."""
 
     def __init__(self) -> None:
         self.world: Optional[ProcessGroup] = None
@@ -155,21 +176,13 @@ class _State:
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name == "world":
+            GroupMember.WORLD = None if value is None else value.handle
+
 
 STATE = _State()
-
-
-class GroupMember:
-    """Group sentinels: ``GroupMember.WORLD`` is the default group (None before init);
-    ``GroupMember.NON_GROUP_MEMBER`` is what non-members get from ``new_group``."""
-
-    NON_GROUP_MEMBER: Any = _NonMember()
-
-    class _World:
-        def __get__(self, obj: Any, owner: Any) -> Any:
-            return None if STATE.world is None else STATE.world.handle
-
-    WORLD = _World()
 
 
 #: ``tdist.group.WORLD`` as in torch.distributed.
@@ -190,6 +203,13 @@ def _require_init() -> ProcessGroup:
     return STATE.world
 
 
+def tdist_side(group: Any) -> Optional[ProcessGroup]:
+    """The tdist group of a torch.distributed group that mirrors one, else None. A function of
+    its own for torch.compile: Dynamo may not read a torch group's attributes, so a compiled
+    function breaks its graph at this call (:mod:`tdist._torch.dynamo`)."""
+    return getattr(group, "tdist_group", None)
+
+
 def resolve_group(group: Any) -> Optional[ProcessGroup]:
     """The :class:`ProcessGroup` for a ``group=`` argument; None for a non-member handle.
 
@@ -198,7 +218,7 @@ def resolve_group(group: Any) -> Optional[ProcessGroup]:
     """
     world = STATE.world
     if world is None:
-        mirrored = getattr(group, "tdist_group", None)
+        mirrored = tdist_side(group)
         if mirrored is not None:  # torch made it beside its own default group, and owns it
             return mirrored
         world = _require_init()
@@ -206,7 +226,7 @@ def resolve_group(group: Any) -> Optional[ProcessGroup]:
         return world
     if group is GroupMember.NON_GROUP_MEMBER:
         return None
-    mirrored = getattr(group, "tdist_group", None)  # a torch.distributed group made by tdist (tdist._torch)
+    mirrored = tdist_side(group)  # a torch.distributed group made by tdist (tdist._torch)
     if mirrored is not None:
         group = mirrored
     elif type(group) is int and group == _TORCH_NON_MEMBER:

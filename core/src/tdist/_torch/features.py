@@ -6,7 +6,7 @@ strings: each entry of :class:`TorchFeatures` is detected on the torch that is i
 does not attach (tdist's own API still works, see :func:`tdist._torch.mirror_world`). The
 others adapt the bridge to a release: ``new_group``'s ``sort_ranks``, the ``asyncOp`` of
 operation options, a second registration of one backend name, the flight recorder torch
-attaches to every group (2.15).
+attaches to every group (2.15), how torch.compile is told to leave tdist's code alone.
 
 The range of torch releases tdist is tested on is :data:`tdist._version.TORCH_REQUIREMENT`;
 a torch outside it is used when every feature is found, and ``python -m tdist info`` says so.
@@ -47,6 +47,10 @@ class TorchFeatures:
     #: on its own (torch 2.15+); tdist's backends do (tdist-debug), and torch's recorder
     #: cannot hook a group written in Python.
     flight_recorder_hook: bool
+    #: torch.compile can be told, per code object and without a wrapper, to run a function
+    #: and everything it calls eagerly (``torch._C._dynamo.eval_frame.set_code_exec_strategy``
+    #: with ``FrameAction.SKIP``; see :mod:`tdist._torch.dynamo`).
+    dynamo_skip: bool = False
 
     @property
     def attachable(self) -> bool:
@@ -123,7 +127,17 @@ def features() -> TorchFeatures:
         new_group_sort_ranks="sort_ranks" in inspect.signature(td.new_group).parameters,
         options_say_async=hasattr(td.AllreduceOptions(), "asyncOp"),
         flight_recorder_hook=isinstance(getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None), set),
+        dynamo_skip=_has_dynamo_skip(torch),
     )
+
+
+def _has_dynamo_skip(torch: Any) -> bool:
+    """Whether torch's C eval-frame hook takes a per-code strategy that skips a frame and its
+    callees (read from ``torch._C``: importing ``torch._dynamo`` takes seconds)."""
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    action = getattr(eval_frame, "_FrameAction", None)
+    needed = ("set_code_exec_strategy", "_FrameExecStrategy")
+    return all(hasattr(eval_frame, name) for name in needed) and hasattr(action, "SKIP")
 
 
 def register_backend(torch_name: str, creator: Any, devices: list[str]) -> None:

@@ -27,6 +27,7 @@ from .._groups import STATE, ProcessGroup
 from .._init import _build_group, get_backend_spec, init_process_group, join
 from .._plugins import plugins
 from .._store.torch_adapters import from_torch_store
+from .dynamo import prepare as prepare_for_compile
 from .features import register_backend
 from .process_group import TorchProcessGroup
 
@@ -59,8 +60,10 @@ def is_mirrored(pg: Optional[ProcessGroup]) -> bool:
 
 
 def mirror(pg: ProcessGroup) -> TorchProcessGroup:
-    """The TorchProcessGroup of ``pg`` (made once)."""
+    """The TorchProcessGroup of ``pg`` (made once); tdist's code is made ready for
+    torch.compile (:func:`tdist._torch.dynamo.prepare`) first."""
     if pg.torch_group is None:
+        prepare_for_compile()
         pg.torch_group = TorchProcessGroup(pg, torch_backend_string({d: s.name for d, s in pg.specs.items()}))
     return pg.torch_group
 
