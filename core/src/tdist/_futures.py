@@ -11,18 +11,25 @@ __all__ = ["future_of"]
 
 def future_of(work: Work, outputs: Callable[[], list[Any]]) -> Any:
     """A ``torch.futures.Future`` completed with ``outputs()`` once ``work`` succeeds, or
-    with its error. As torch's, its ``then`` callbacks run in the thread that completes
-    ``work`` (a backend's thread, or the caller's when ``work`` is already done)."""
+    failed with its error. As torch's, its ``then`` callbacks run in the thread that
+    completes ``work`` (a backend's thread, or the caller's when ``work`` is already done).
+
+    The error is one torch's C++ sees too: ``Future.set_exception`` only stores the
+    exception as the future's *value* (Python's ``wait`` raises it, but C++ consumers --
+    DDP's built-in all-reduce hook -- take it for a result and crash), while an error
+    raised in a ``then`` callback fails the future in C++. So the future returned is
+    such a callback's; its error is a RuntimeError naming the Work's error (as with
+    torch's own backends, whose futures fail with RuntimeErrors)."""
     import torch
 
-    future: Any = torch.futures.Future()
+    signal: Any = torch.futures.Future()
 
-    def _resolve(done: Work) -> None:
-        error = done.exception()
-        if error is None:
-            future.set_result(outputs())
-        else:
-            future.set_exception(error)
+    def _result(_: Any) -> list[Any]:
+        error = work.exception()
+        if error is not None:
+            raise error
+        return outputs()
 
-    work.add_done_callback(_resolve)
+    future = signal.then(_result)
+    work.add_done_callback(lambda _done: signal.set_result(None))
     return future
