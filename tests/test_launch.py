@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tdist.testing import free_port
-from tdist.testing.processes import JobResult, base_env, kill_session, pid_alive, run_job
+from tdist.testing.processes import JOB_MARKER, JobResult, base_env, kill_session, pid_alive, run_job
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -352,7 +352,7 @@ def test_variables_as_torchrun_sets_them(tmp_path):
     assert theirs.returncode == 0, theirs.stderr
     by_rank = {env["RANK"]: env for env in _json_objects(theirs.stdout)}
     base = base_env()
-    varying = {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT"}
+    varying = {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT", JOB_MARKER}  # the harness's per job
     for rank, mine in reports(ours.stdout).items():
         torch_env = by_rank[str(rank)]
         added = {k for k in torch_env if base.get(k) != torch_env[k]}

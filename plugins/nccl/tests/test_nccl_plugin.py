@@ -57,6 +57,7 @@ def test_operations_table_cuda_only_without_any_source():
         "reduce_op.BAND",
         "reduce_op.BOR",
         "reduce_op.BXOR",
+        "shrink_group",
     }
     assert spec.extra["options"] == ("device_id",)
 

@@ -169,12 +169,17 @@ class StoreBackend(Backend):
         self._received: dict[tuple[int, int], int] = {}  # (src, tag) -> messages received
         self._pending: list[_Recv] = []  # posted receives, in posting order
         self._jobs: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._collector = self._collectives_thread()  # the one thread that runs collectives, in order
+        self._completing: Optional[threading.Thread] = None  # the collector, while it runs done-callbacks
         self._threads = [
-            threading.Thread(target=self._run_collectives, name=f"tdist-store-collectives-r{rank}", daemon=True),
+            self._collector,
             threading.Thread(target=self._run_receives, name=f"tdist-store-receives-r{rank}", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
+
+    def _collectives_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._run_collectives, name=f"tdist-store-collectives-r{self.rank}", daemon=True)
 
     # ------------------------------------------------------------------ store helpers
     def _put(self, key: str, data: bytes) -> list[str]:
@@ -228,14 +233,22 @@ class StoreBackend(Backend):
                 raise DistBackendError(f"{op}: the process group was destroyed")
             self._seq += 1
             seq = self._seq
+            # A done-callback may issue a collective and wait for it (torch's Future callbacks,
+            # DDP's PowerSGD hook): when the collector is in one, a new collector takes over.
+            if self._completing is not None and self._completing is self._collector:
+                self._collector = self._collectives_thread()
+                self._threads.append(self._collector)
+                self._collector.start()
         work = Work(op)
         self._jobs.put((work, _Round(self, seq, op, sig), run, list(outputs)))
         return work
 
     def _run_collectives(self) -> None:
+        me = threading.current_thread()
         while True:
             job = self._jobs.get()
             if job is None:
+                self._jobs.put(None)  # for a collector that took over from this one
                 return
             work, rnd, run, outputs = job
             error: Optional[BaseException] = None
@@ -247,10 +260,17 @@ class StoreBackend(Backend):
                 rnd.close()
             except Exception as exc:
                 error = error or exc
+            with self._lock:
+                self._completing = me
             if error is not None:
                 work.set_exception(_as_backend_error(error, rnd.op))
             else:
                 work.set_result(outputs)
+            with self._lock:
+                if self._completing is me:
+                    self._completing = None
+                if self._collector is not me:
+                    return  # a new collector took over while this one ran callbacks
 
     def _reduce(
         self, like: torch.Tensor, mine: torch.Tensor, op: Reduction, fetch: Callable[[int], bytes], what: str
