@@ -125,8 +125,12 @@ class ProcessGroup:
         self._served[(device, operation)] = backend
         return backend
 
+    def distinct_backends(self) -> list[Backend]:
+        """Each backend object once (one backend may serve several device types)."""
+        return list({id(b): b for b in self.backends.values()}.values())
+
     def shutdown(self) -> None:
-        for backend in {id(b): b for b in self.backends.values()}.values():
+        for backend in self.distinct_backends():
             backend.shutdown()
 
     def __repr__(self) -> str:

@@ -372,8 +372,9 @@ def _announce(hook: Any, pg: ProcessGroup) -> None:
     hook(name=pg.name, ranks=pg.ranks, rank=pg.ranks[pg.rank], backend=pg.backend_name)
 
 
-def _same_devices(world: ProcessGroup) -> dict[str, str]:
-    return {device: spec.name for device, spec in world.specs.items()}
+def _same_devices(pg: ProcessGroup) -> dict[str, str]:
+    """``pg``'s backend name per device type, for a group made like it."""
+    return {device: spec.name for device, spec in pg.specs.items()}
 
 
 def destroy_process_group(group: Any = None) -> None:
@@ -412,7 +413,7 @@ def set_timeout(timeout: timedelta, group: Any = None) -> None:
     if pg is None:
         raise ValueError("set_timeout: this rank is not a member of the group")
     pg.timeout = timeout
-    for backend in {id(b): b for b in pg.backends.values()}.values():
+    for backend in pg.distinct_backends():
         backend.set_timeout(timeout)
 
 
@@ -437,12 +438,12 @@ def get_backend_impl(group: Any = None, device: Any = None) -> Backend:
                 f"get_backend_impl: group {pg.name!r} has no backend for {kind!r} (it has {sorted(pg.backends)})"
             )
         return pg.backends[kind]
-    distinct = {id(b): b for b in pg.backends.values()}
+    distinct = pg.distinct_backends()
     if len(distinct) > 1:
         raise ValueError(
             f"get_backend_impl: group {pg.name!r} has a backend per device type ({sorted(pg.backends)}); pass device"
         )
-    return next(iter(distinct.values()))
+    return distinct[0]
 
 
 def _names_of(pg: ProcessGroup) -> set[str]:

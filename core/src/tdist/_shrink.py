@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 from . import _torch as bridging
 from ._errors import DistError, DistStoreTimeoutError
 from ._groups import STATE, ProcessGroup, resolve_group
-from ._init import _announce, _build_group
+from ._init import _announce, _build_group, _same_devices, destroy_process_group
 from ._plugins import plugins
 from ._store.base import Store
 
@@ -71,9 +71,10 @@ def shrink_group(
     if aborted:
         pg.shutdown()
     is_world = pg is STATE.world
-    if is_world:
-        _destroy_others(pg)
-    devices = {device: spec.name for device, spec in pg.specs.items()}
+    if is_world:  # every other group goes first, as torch does
+        for other in [g for g in STATE.groups if g is not pg]:
+            destroy_process_group(other)
+    devices = _same_devices(pg)
     options = {**STATE.options, **(pg_options or {})}
     if is_world:  # renumbered: the survivors are the new world's ranks 0 .. n-1
         ranks, me = list(range(len(survivors))), survivors.index(pg.rank)
@@ -143,15 +144,6 @@ def _agree(store: Store, key: str, me: int, survivors: list[int], excluded: list
             f"shrink_group: the ranks disagree: rank(s) {alive}, which rank {me} excludes, are alive and called "
             f"shrink_group too (excluding {[json.loads(store.get(f'{key}/{r}')) for r in alive]})"
         )
-
-
-def _destroy_others(world: ProcessGroup) -> None:
-    """Before the default group shrinks: destroy every other group, as torch does."""
-    for other in [g for g in STATE.groups if g is not world]:
-        STATE.groups.remove(other)
-        _announce(plugins().group_destroyed, other)
-        other.shutdown()
-        bridging.forget(other)
 
 
 def _retire(old: ProcessGroup, new: ProcessGroup, devices: dict[str, str], is_world: bool, shut_down: bool) -> None:

@@ -18,7 +18,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .world import RankFailure, World, free_port
 
@@ -454,6 +454,17 @@ def _names_rank(message: str, rank: int) -> bool:
     )
 
 
+def _timed_outcomes(outcomes: list, n: int, problems: list[str]) -> Iterator[tuple[int, str, dict]]:
+    """``(rank, op, outcome)`` of each of :data:`_TIMED_COLLECTIVES` on every rank but the
+    last (the one that never arrives); a rank that failed outright goes to ``problems``."""
+    for r, o in enumerate(outcomes[: n - 1]):
+        if isinstance(o, RankFailure):
+            problems.append(f"rank {r}: {o.headline}")
+            continue
+        for op in _TIMED_COLLECTIVES:
+            yield r, op, o[op]
+
+
 @scenario(requires=("timeout_names_ranks",), timeout=150)
 def collective_timeout(ctx: ScenarioContext) -> None:
     """Collectives whose last rank never arrives (all_reduce, all_gather, barrier on
@@ -462,25 +473,18 @@ def collective_timeout(ctx: ScenarioContext) -> None:
     group_timeout, n = 2.0, 3
     with ctx.spawn(n, pg_timeout=60) as world:
         outcomes = world.try_run(_w_collectives_without_last, timeout=90, group_timeout=group_timeout)
-    problems = []
-    for r, o in enumerate(outcomes[: n - 1]):
-        if isinstance(o, RankFailure):
-            problems.append(f"rank {r}: {o.headline}")
-            continue
-        for op in _TIMED_COLLECTIVES:
-            got = o[op]
-            if got["type"] is None:
-                problems.append(f"rank {r}: {op} without rank {n - 1} returned normally")
-            elif got["elapsed"] > group_timeout + 10:
-                problems.append(f"rank {r}: {op} raised after {got['elapsed']:.1f} s (group timeout {group_timeout} s)")
-            elif ctx.strict and "DistBackendTimeoutError" not in got["mro"]:
-                problems.append(
-                    f"rank {r}: {op} raised {got['type']} ({got['message'][:200]}), expected DistBackendTimeoutError"
-                )
-            elif ctx.strict and not _names_rank(got["message"], n - 1):
-                problems.append(
-                    f"rank {r}: {op}'s timeout does not name the missing rank {n - 1}: {got['message'][:300]}"
-                )
+    problems: list[str] = []
+    for r, op, got in _timed_outcomes(outcomes, n, problems):
+        if got["type"] is None:
+            problems.append(f"rank {r}: {op} without rank {n - 1} returned normally")
+        elif got["elapsed"] > group_timeout + 10:
+            problems.append(f"rank {r}: {op} raised after {got['elapsed']:.1f} s (group timeout {group_timeout} s)")
+        elif ctx.strict and "DistBackendTimeoutError" not in got["mro"]:
+            problems.append(
+                f"rank {r}: {op} raised {got['type']} ({got['message'][:200]}), expected DistBackendTimeoutError"
+            )
+        elif ctx.strict and not _names_rank(got["message"], n - 1):
+            problems.append(f"rank {r}: {op}'s timeout does not name the missing rank {n - 1}: {got['message'][:300]}")
     assert not problems, "collective timeout: " + "; ".join(problems)
 
 
@@ -491,17 +495,12 @@ def set_timeout_applies(ctx: ScenarioContext) -> None:
     group_timeout, n = 2.0, 3
     with ctx.spawn(n, pg_timeout=60) as world:
         outcomes = world.try_run(_w_collectives_without_last, timeout=90, group_timeout=group_timeout, set_later=True)
-    problems = []
-    for r, o in enumerate(outcomes[: n - 1]):
-        if isinstance(o, RankFailure):
-            problems.append(f"rank {r}: {o.headline}")
-            continue
-        for op in _TIMED_COLLECTIVES:
-            got = o[op]
-            if got["type"] is None:
-                problems.append(f"rank {r}: {op} without rank {n - 1} returned normally")
-            elif got["elapsed"] > group_timeout + 30:
-                problems.append(f"rank {r}: {op} raised after {got['elapsed']:.1f} s: set_timeout(2 s) did not apply")
+    problems: list[str] = []
+    for r, op, got in _timed_outcomes(outcomes, n, problems):
+        if got["type"] is None:
+            problems.append(f"rank {r}: {op} without rank {n - 1} returned normally")
+        elif got["elapsed"] > group_timeout + 30:
+            problems.append(f"rank {r}: {op} raised after {got['elapsed']:.1f} s: set_timeout(2 s) did not apply")
     assert not problems, "set_timeout: " + "; ".join(problems)
 
 
