@@ -11,15 +11,18 @@ while rank 0 tears its world down. That store goes away under the rank, which th
 reconnects until it reaches rank 0's new one.
 
 **The join.** Each rank claims ``<key>/joined/<rank>`` atomically (a second process
-started with the same rank finds the claim taken) and waits for the claims of the
-others; the first member then compares what they named (the backend) and publishes
-the verdict, ``ok`` or what is wrong, which every member reads. A rank that finds
-something wrong on its own (its world size is not rank 0's, its rank is claimed
-already) publishes the verdict itself, unless one is out, and writes a marker into
-the claims still missing, so that every rank waiting in the join wakes at once, reads
-the verdict and raises it: nobody waits out the timeout. The first member (rank 0,
-who may host the store) raises only once the others have read the verdict, or after
-:data:`VERDICT_GRACE_S`.
+started with the same rank finds the claim taken). The first member waits for every
+claim (one ``wait`` on all of them), reads them (one ``multi_get``), compares what they
+named (the backend) and publishes the verdict, ``ok`` or what is wrong; the other members
+wait for the verdict (one blocking ``get``): the verdict comes out only once every claim
+is in. So a join costs a member two store round trips and the first member four,
+whatever the group's size. A rank that finds something wrong on its own (its world size
+is not rank 0's, its rank is claimed already) publishes the verdict itself, unless one is
+out, and writes a marker into the claims still missing, so that every rank waiting in
+the join wakes at once, reads the verdict and raises it: nobody waits out the timeout.
+The first member (rank 0, who may host the store) raises only once the others have read
+the verdict, or after :data:`VERDICT_GRACE_S`. A rank whose wait times out names the
+ranks whose claims are missing.
 """
 
 from __future__ import annotations
@@ -161,29 +164,37 @@ def join(store: Store, key: str, rank: int, members: Sequence[int], timeout: tim
             timeout,
         )
     deadline = time.monotonic() + limit
-    missing = list(members)
-    while missing:
-        remaining = deadline - time.monotonic()
+    if rank != members[0]:  # the verdict comes out once every claim is in: wait for it alone
         try:
-            store.wait([f"{key}/joined/{missing[0]}"], timeout=max(remaining, 0.001))
+            verdict = store.get(f"{key}/verdict", timeout=max(deadline - time.monotonic(), 0.001))
         except DistStoreTimeoutError:
-            missing = [r for r in missing if not store.check([f"{key}/joined/{r}"])]
-            if not missing:
-                break
-            raise DistStoreTimeoutError(
-                f"{key}: rank {rank} waited {limit:g} s but rank(s) {missing} never arrived "
-                f"(of {len(members)} expected)" + noted()  # e.g. this process's store server ran out of descriptors
-            ) from None
-        missing.pop(0)
-    claims = {r: store.get(f"{key}/joined/{r}") for r in members}
+            _arrival_timeout(store, key, rank, members, limit)
+            verdict = store.get(f"{key}/verdict", timeout=max(deadline - time.monotonic(), 0.001))
+        if verdict != _OK:
+            _raise_verdict(store, key, rank, members, timeout)
+        return
+    names = [f"{key}/joined/{r}" for r in members]
+    try:
+        store.wait(names, timeout=max(deadline - time.monotonic(), 0.001))
+    except DistStoreTimeoutError:
+        _arrival_timeout(store, key, rank, members, limit)
+    claims = dict(zip(members, store.multi_get(names)))
     if _WOKEN in claims.values():
         _raise_verdict(store, key, rank, members, timeout)
-    if rank == members[0]:
-        verdict = store.compare_set(f"{key}/verdict", b"", _backend_verdict(key, claims) if backend else _OK)
-    else:
-        verdict = store.get(f"{key}/verdict", timeout=max(deadline - time.monotonic(), 0.001))
+    verdict = store.compare_set(f"{key}/verdict", b"", _backend_verdict(key, claims) if backend else _OK)
     if verdict != _OK:
         _raise_verdict(store, key, rank, members, timeout)
+
+
+def _arrival_timeout(store: Store, key: str, rank: int, members: Sequence[int], limit: float) -> None:
+    """The join's wait timed out: raise naming the ranks whose claims are missing (returns
+    when none is: they all came in at the last moment)."""
+    missing = [r for r in members if not store.check([f"{key}/joined/{r}"])]
+    if missing:
+        raise DistStoreTimeoutError(
+            f"{key}: rank {rank} waited {limit:g} s but rank(s) {missing} never arrived "
+            f"(of {len(members)} expected)" + noted()  # e.g. this process's store server ran out of descriptors
+        ) from None
 
 
 def _backend_verdict(key: str, claims: dict[int, bytes]) -> bytes:
