@@ -479,3 +479,39 @@ def shm_state_job(b: Any, rank: int) -> tuple:
 
 
 __all__ = [name for name in dir() if not name.startswith("_")] + ["DistBackendError", "DistBackendTimeoutError"]
+
+
+def shm_wait_policy_job(b: Any, rank: int) -> tuple:
+    """This rank's shared-memory waiting policy (tdist_tcp.shmwait), as the Python steps and
+    the C part hold it, the CPUs its group may use, its group size and buffer bytes."""
+    from tdist_tcp import shmwait
+
+    eng = b._shm
+    fast = eng.fast
+    pol = eng.policy
+    c_part = None if fast is None else (fast.spin_ns, bool(fast.adaptive))
+    return pol.spin, pol.adaptive, pol.yield_first, c_part, shmwait.usable_cpus(), eng.p, eng.S
+
+
+def connected_peers(b: Any) -> list[int]:
+    """The peers this rank's backend has connections to (they are made when first needed)."""
+    return sorted(p.rank for p in b._tr.peers if p is not None and p.links)
+
+
+def resources_job(b: Any, rank: int) -> tuple[list[str], int, list[int]]:
+    """After one all_reduce: this process's tdist-tcp threads, open descriptors and connected peers."""
+    b.all_reduce(torch.ones(1000), Reduction(ReduceOp.SUM)).wait()
+    names = sorted(t.name for t in threading.enumerate() if t.name.startswith("tdist-tcp"))
+    return names, len(os.listdir("/proc/self/fd")), connected_peers(b)
+
+
+def first_contact_job(b: Any, rank: int) -> tuple[list[int], list[int]]:
+    """The connected peers right after init, then after rank 0 sent rank 2 one message."""
+    before = connected_peers(b)
+    if rank == 0:
+        b.send(torch.ones(3), 2, 0).wait()
+    elif rank == 2:
+        t = torch.zeros(3)
+        b.recv(t, 0, 0).wait()
+        assert t.tolist() == [1.0, 1.0, 1.0]
+    return before, connected_peers(b)

@@ -24,7 +24,7 @@ import pytest
 import torch
 from tdist._reduce_op import ReduceOp, Reduction, make_premul_sum
 from tdist_tcp import native
-from tdist_tcp import shm as S
+from tdist_tcp import shmstep as S
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,7 +33,7 @@ needs_c = pytest.mark.skipif(FAST is None, reason="tdist_tcp._shmfast is not bui
 
 SLOT = 4096
 P = 2
-CTRL, DATA, TOTAL = S._layout(P, SLOT)
+CTRL, DATA, TOTAL = S.layout(P, SLOT)
 FLOATS = (torch.float32, torch.float64)
 INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 INT_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
@@ -50,8 +50,8 @@ class Segment:
         self.fast = FAST.Fast(self.base, CTRL, DATA, SLOT, 0, P, spin_ns, False)  # type: ignore[union-attr]
 
     def peer_posts(self, step: int, seq: int, op: int, redop: int, dtype: int, nbytes: int, root: int) -> None:
-        at = CTRL + 1 * S._CTRL
-        S._DESC.pack_into(self.mm, at + S._DESC_AT + S._DESC_STRIDE * (seq & 1), seq, nbytes, root, op, redop, dtype)
+        at = CTRL + 1 * S.CTRL
+        S.DESC.pack_into(self.mm, at + S.DESC_AT + S.DESC_STRIDE * (seq & 1), seq, nbytes, root, op, redop, dtype)
         self.mm[at : at + 4] = step.to_bytes(4, "little")
 
     def peer_data(self, buffer: int, data: bytes) -> None:

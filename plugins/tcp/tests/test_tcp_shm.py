@@ -20,7 +20,7 @@ from tdist.plugin import HashStore
 from _tcp_harness import ProcWorld, make_backend, run_threads
 from tdist._errors import DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction
-from tdist_tcp import native, segment
+from tdist_tcp import native, segment, shmstep
 from tdist_tcp import shm as S
 
 pytestmark = [
@@ -386,7 +386,7 @@ def test_segment_of_another_group_or_key_is_refused():
     """A segment whose header carries another nonce or size, or whose proof was made with
     another key, is not attached; neither is a descriptor that is not a tdist segment."""
     nonce, key = b"x" * 16, b"k" * 32
-    total = S._layout(2, 65536)[2]
+    total = shmstep.layout(2, 65536)[2]
     name, fd, mm = segment.create(total, 2, 65536, nonce, key)
     where = segment.locator(name, fd)
     try:

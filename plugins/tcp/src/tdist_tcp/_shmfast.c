@@ -16,6 +16,11 @@
  * in Python (futex sleep, liveness checks, timeout) and then calls finish(). Nothing
  * here blocks without bound and nothing here raises on a peer's behalf.
  *
+ * The spin follows tdist_tcp/shmwait.py's policy: spin_ns 0 (more ranks on the host than
+ * CPUs) checks once and returns WAIT; "adaptive" stops spinning as soon as the host has
+ * more runnable threads than online CPUs (the fourth field of /proc/loadavg, read with
+ * one pread a few microseconds into the spin and then every CHECK_NS).
+ *
  * x86-64 only (like the Python engine): the counter is stored with a full fence, and
  * loads are acquire loads, so a peer that sees the counter sees the data before it.
  */
@@ -28,6 +33,8 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <fcntl.h>
+#include <stdlib.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -37,6 +44,7 @@
 #define DESC_BYTES 24
 #define HALF 0x80000000u
 #define GIL_SPIN_NS 10000 /* spin this long holding the GIL, the rest of the spin without it */
+#define CHECK_NS 20000    /* an adaptive spin checks this often that a CPU is still free */
 
 enum { DONE = 0, WAIT = 1, MISMATCH = 2 };
 enum { K_NONE = 0, K_BARRIER, K_BROADCAST, K_REDUCE };
@@ -51,6 +59,7 @@ typedef struct {
     int rank, size;
     long long spin_ns;
     int yield;
+    int adaptive; /* spin only while no thread waits for a CPU */
     /* the pending collective (posted, waiting for its peers) */
     int kind, b, root, etype, eop;
     uint64_t seq;
@@ -111,18 +120,53 @@ static int all_reached(Fast *f, uint32_t k) {
     return 1;
 }
 
-/* Spin (at most spin_ns) until every peer has posted k; 1 if they have. */
+/* /proc/loadavg, opened once per process (-2: it cannot be) */
+static int loadavg_fd = -1;
+static long online_cpus = 0;
+
+/* Whether some thread waits for a CPU: more runnable threads on the host than online CPUs
+ * (0 when that cannot be read). */
+static int host_busy(void) {
+    int fd = __atomic_load_n(&loadavg_fd, __ATOMIC_ACQUIRE);
+    if (fd == -1) {
+        int mine = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+        int expected = -1;
+        if (!__atomic_compare_exchange_n(&loadavg_fd, &expected, mine < 0 ? -2 : mine, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE)) {
+            if (mine >= 0) close(mine); /* another thread opened it first */
+        }
+        fd = __atomic_load_n(&loadavg_fd, __ATOMIC_ACQUIRE);
+    }
+    if (fd < 0 || online_cpus <= 0) return 0;
+    char text[128];
+    ssize_t got = pread(fd, text, sizeof text - 1, 0);
+    if (got <= 0) return 0;
+    text[got] = 0;
+    const char *at = text; /* "0.52 0.58 0.59 3/712 12345": the fourth field's numerator */
+    for (int spaces = 0; spaces < 3; at++) {
+        if (!*at) return 0;
+        if (*at == ' ') spaces++;
+    }
+    return strtol(at, NULL, 10) > online_cpus;
+}
+
+/* Spin (at most budget_ns; when adaptive, only while a CPU is free) until every peer has
+ * posted k; 1 if they have. */
 static int spin(Fast *f, uint32_t k, long long budget_ns) {
-    long long start = 0, end = 0;
+    long long start = 0, end = 0, check = 0;
     for (unsigned n = 1;; n++) {
         if (all_reached(f, k)) return 1;
         if (!(n & 63)) {
             long long t = now_ns();
             if (!start) {
-                start = t;
+                start = check = t;
                 end = t + budget_ns;
             }
             if (t >= end) return 0;
+            if (f->adaptive && t >= check) {
+                if (host_busy()) return 0;
+                check = t + CHECK_NS;
+            }
             if (f->yield) sched_yield();
         }
         __builtin_ia32_pause();
@@ -341,12 +385,12 @@ static PyObject *Fast_abandon(Fast *f, PyObject *Py_UNUSED(ignored)) {
 }
 
 static int Fast_init(Fast *f, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"address", "ctrl", "data", "slot", "rank", "size", "spin_ns", "yield_", NULL};
+    static char *kwlist[] = {"address", "ctrl", "data", "slot", "rank", "size", "spin_ns", "yield_", "adaptive", NULL};
     unsigned long long addr;
     long long spin_ns;
-    int yield;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KnnniiLp:Fast", kwlist, &addr, &f->ctrl, &f->data, &f->slot,
-                                     &f->rank, &f->size, &spin_ns, &yield))
+    int yield, adaptive = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KnnniiLp|p:Fast", kwlist, &addr, &f->ctrl, &f->data, &f->slot,
+                                     &f->rank, &f->size, &spin_ns, &yield, &adaptive))
         return -1;
     if (!addr || f->size < 1 || f->size > 4096 || f->rank < 0 || f->rank >= f->size || f->slot < 0) {
         PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.Fast: bad segment geometry");
@@ -355,6 +399,7 @@ static int Fast_init(Fast *f, PyObject *args, PyObject *kwds) {
     f->base = (char *)(uintptr_t)addr;
     f->spin_ns = spin_ns;
     f->yield = yield;
+    f->adaptive = adaptive;
     f->kind = K_NONE;
     f->k = 0;
     f->rounds = 0;
@@ -371,6 +416,7 @@ static PyMethodDef Fast_methods[] = {
 
 static PyMemberDef Fast_members[] = {
     {"spin_ns", T_LONGLONG, offsetof(Fast, spin_ns), 0, "how long a step spins before returning WAIT"},
+    {"adaptive", T_INT, offsetof(Fast, adaptive), 0, "spin only while no thread waits for a CPU (1) or always (0)"},
     {"k", T_UINT, offsetof(Fast, k), 0, "steps posted (the last step's number)"},
     {"rounds", T_ULONGLONG, offsetof(Fast, rounds), 0, "rounds begun (the next round's buffer: rounds & 1)"},
     {"runs", T_ULONGLONG, offsetof(Fast, runs), READONLY, "collectives run() has started"},
@@ -382,7 +428,7 @@ static PyTypeObject FastType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdist_tcp._shmfast.Fast",
     .tp_basicsize = sizeof(Fast),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = PyDoc_STR("Fast(address, ctrl, data, slot, rank, size, spin_ns, yield_): one rank's view of a "
+    .tp_doc = PyDoc_STR("Fast(address, ctrl, data, slot, rank, size, spin_ns, yield_, adaptive=False): one rank's view of a "
                         "group's shared segment, for its one-step collectives. The caller keeps the mapping "
                         "alive as long as this object is used."),
     .tp_new = PyType_GenericNew,
@@ -400,6 +446,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__shmfast(void) {
     if (PyType_Ready(&FastType) < 0) return NULL;
+    online_cpus = sysconf(_SC_NPROCESSORS_ONLN);
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&FastType);

@@ -14,7 +14,9 @@ Handshake on every connection (TCP and Unix-domain alike), connector C to accept
 2. A -> C: A's ``HELLO`` (with its own fresh ``na``) and
    ``HMAC(group key, "A" || hello_C || hello_A)``;
 3. C -> A: ``HMAC(group key, "C" || hello_C || hello_A)``;
-4. A -> C: one byte, :data:`ACCEPTED` or :data:`REFUSED`.
+4. A -> C: one byte, :data:`ACCEPTED`, :data:`REFUSED` or :data:`DUPLICATE` (the proof is
+   good but A keeps the connection it is opening to C itself: A is the lower rank, see
+   :mod:`tdist_tcp.transport`; C then waits for that one).
 
 Each side proves it knows the group key over the other side's fresh nonce, so a
 recorded handshake cannot be replayed and neither side can be impersonated by
@@ -39,6 +41,7 @@ __all__ = [
     "MAC_SIZE",
     "ACCEPTED",
     "REFUSED",
+    "DUPLICATE",
     "FLAG_TOKEN",
     "MAX_STREAMS",
     "group_key",
@@ -50,7 +53,7 @@ __all__ = [
 #: magic, protocol version, group nonce, sender's group rank, world size, flags, connection nonce
 HELLO = struct.Struct("<8sI16sIII16s")
 MAC_SIZE = 32
-ACCEPTED, REFUSED = b"\x01", b"\x00"
+ACCEPTED, REFUSED, DUPLICATE = b"\x01", b"\x00", b"\x02"
 #: set in a HELLO's flags by a rank that holds a token (only used to explain a refusal)
 FLAG_TOKEN = 1
 #: the most connections (streams) one pair of ranks may use

@@ -3,28 +3,23 @@
 Collectives are queued on one FIFO lane per group and normally run in the thread
 that waits for them (see :mod:`tdist_tcp.lanes`); a caller that waits for a small
 collective over shared memory skips the lane's queue and runs it with one call into
-the C part (:meth:`TcpBackend._quick`); sends have their own lane and
-receives need no thread at all (the peers' reader threads complete them), so
-point-to-point traffic never queues behind collectives.
+the C part (:meth:`TcpBackend._quick`); sends have their own lane and receives need no
+thread of their own (the process's I/O loop completes them), so point-to-point traffic
+never queues behind collectives. :mod:`tdist_tcp.factory` builds the backend.
 
-Options (``init_process_group(..., pg_options=...)`` or ``new_group``; the same on
-every rank): ``host`` (address to listen on and publish; else ``$TDIST_TCP_HOST``),
-``ifname`` (take the address of this interface; else ``$TDIST_TCP_IFNAME``),
-``port`` (default: any free port), ``socket_buffer`` (SO_SNDBUF/SO_RCVBUF bytes,
-default 4 MiB), ``streams`` (TCP connections per pair of ranks, default 1; else
-``$TDIST_TCP_STREAMS``: a collective's segments take turns on them), ``unix`` (reach peers on the same host over a Unix-domain socket,
-default True; ``$TDIST_TCP_UNIX=0`` disables), ``shm`` (collectives through shared
-memory when every rank of the group is on this host, default True; ``$TDIST_TCP_SHM=0``
-disables; see :mod:`tdist_tcp.shm`), ``shm_slot_bytes`` (each of a rank's two buffers in
-the segment, default 1 MiB), ``shm_direct_bytes`` (all_reduce/reduce up to this size in one
-step, default 512 KiB / group size), ``shm_block_bytes`` (cache blocking of reductions, default 256 KiB),
-``shm_spin_us`` (microseconds a waiter spins before sleeping), ``native`` (small
-shared-memory collectives of a caller that waits in one call into the C part, default
-True where it is built; ``$TDIST_TCP_NATIVE=0`` disables; see :mod:`tdist_tcp.native`)
-and the tunables of :data:`DEFAULTS`.
-
-The factory's ``secret`` (from the job's token) authenticates every connection and the
-shared segment (:mod:`tdist_tcp.auth`); without one, nothing is authenticated.
+Options (``pg_options`` of ``init_process_group`` or ``new_group``; the same on every
+rank): ``host`` (address to listen on and publish; else ``$TDIST_TCP_HOST``), ``ifname``
+(take the address of this interface; else ``$TDIST_TCP_IFNAME``), ``port`` (default: any
+free port), ``socket_buffer`` (SO_SNDBUF/SO_RCVBUF bytes, default 4 MiB), ``streams``
+(TCP connections per pair of ranks, default 1; else ``$TDIST_TCP_STREAMS``), ``connect``
+(connections made at setup: ``ring``, ``lazy`` or ``all``; see :mod:`tdist_tcp.mesh`),
+``unix`` (same-host peers over a Unix-domain socket, default True; ``$TDIST_TCP_UNIX=0``
+disables), ``shm`` (collectives through shared memory when the whole group is on this
+host, default True; ``$TDIST_TCP_SHM=0`` disables; :mod:`tdist_tcp.shm`, whose ``shm_*``
+options the plugin's README lists), ``native`` (small shared-memory collectives in one
+call into the C part, default True where built; see :mod:`tdist_tcp.native`) and the
+tunables of :data:`DEFAULTS`. The factory's ``secret`` (from the job's token) authenticates every
+connection and the shared segment (:mod:`tdist_tcp.auth`); without one, nothing is.
 """
 
 from __future__ import annotations
@@ -45,8 +40,6 @@ from tdist.plugin import (
     ReduceOp,
     Work,
     check_reduction,
-    finalize_,
-    prescale_,
     seconds,
 )
 
@@ -54,17 +47,22 @@ from . import algorithms as algo
 from . import native
 from .hierarchy import Hierarchy
 from .lanes import Lane, TcpWork
-from .mesh import connect_mesh
-from .shm import ShmEngine, open_shm, shm_enabled
-from .topology import Layout, everyones, hierarchy_mode, host_id, host_layout
+from .shm import ShmEngine
+from .tensors import concat as _concat
+from .tensors import finalize as _finalize
+from .tensors import inplace as _inplace
+from .tensors import output as _output
+from .tensors import prescale as _prescale
+from .tensors import source as _source
+from .topology import Layout
 from .transport import PostedRecv, Transport
 from .wire import OP_CODES, P2P, byte_view, dtype_code, pack_header, redop_code
 
 if TYPE_CHECKING:
     import torch
-    from tdist.plugin import Reduction, Store
+    from tdist.plugin import Reduction
 
-__all__ = ["TcpBackend", "create_backend", "DEFAULTS"]
+__all__ = ["TcpBackend", "DEFAULTS"]
 
 #: Tunables (``options`` of ``init_process_group``/``new_group`` override them).
 DEFAULTS = {
@@ -87,53 +85,6 @@ def _shutdown_all() -> None:  # say goodbye to the peers even if the program nev
             backend.shutdown()
         except Exception:
             pass
-
-
-def _inplace(t: "torch.Tensor") -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
-    """A flat contiguous view of ``t`` holding its data, and ``t`` again if the result must be copied back."""
-    if t.requires_grad:
-        t = t.detach()
-    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
-        return (t if t.dim() == 1 else t.view(-1)), None
-    return t.resolve_conj().resolve_neg().contiguous().view(-1), t
-
-
-def _output(t: "torch.Tensor") -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
-    """A flat contiguous buffer to receive into, and ``t`` if it must be copied back."""
-    import torch
-
-    t = t.detach()
-    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
-        return t.view(-1), None
-    return torch.empty(t.numel(), dtype=t.dtype), t
-
-
-def _source(t: "torch.Tensor") -> "torch.Tensor":
-    """A flat contiguous tensor with ``t``'s values (``t``'s own memory when possible)."""
-    t = t.detach()
-    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
-        return t.view(-1)
-    return t.resolve_conj().resolve_neg().contiguous().view(-1)
-
-
-def _prescale(flat: "torch.Tensor", op: "Reduction") -> None:
-    if op.op is ReduceOp.PREMUL_SUM:
-        algo.serially(lambda piece: prescale_(piece, op), flat)
-
-
-def _finalize(flat: "torch.Tensor", op: "Reduction", size: int) -> None:
-    if op.op is ReduceOp.AVG:
-        algo.serially(lambda piece: finalize_(piece, op, size), flat)
-
-
-def _concat(c: algo.Coll, flats: Sequence["torch.Tensor"]) -> "torch.Tensor":
-    """A (scratch) flat tensor holding ``flats`` one after the other."""
-    out = c.scratch.get("work", sum(f.numel() for f in flats), flats[0].dtype)
-    at = 0
-    for f in flats:
-        algo.copy_serial(out[at : at + f.numel()], f)
-        at += f.numel()
-    return out
 
 
 class TcpBackend(Backend):
@@ -678,6 +629,13 @@ class TcpBackend(Backend):
         self._send_lane.close(error)
         _live.discard(self)
 
+    def abort(self) -> None:
+        """Fail this rank's pending operations and its peers' (the transport tells every
+        peer, also those never connected), then release everything as :meth:`shutdown`."""
+        if not self._shut:
+            self._tr.abort()
+        self.shutdown()
+
     def threads(self) -> list[threading.Thread]:
         """The threads this backend started that are still alive (for leak checks)."""
         threads = self._tr.threads() + [self._coll_lane.thread(), self._send_lane.thread()]
@@ -706,99 +664,9 @@ class TcpBackend(Backend):
         return self._authenticated
 
 
-def create_backend(
-    *,
-    store: "Store",
-    rank: int,
-    world_size: int,
-    timeout: Any,
-    options: Optional[Mapping] = None,
-    global_ranks: Optional[Sequence[int]] = None,
-    secret: bytes = b"",
-    **_ignored: Any,
-) -> TcpBackend:
-    """The factory registered for ``tcp``: connect to the group's peers through ``store``;
-    with a ``secret`` (the core derives it from the job's store token) every connection
-    and the shared segment are authenticated with it."""
-    options = dict(options or {})
-    if not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(seconds(timeout, 300.0)))  # type: ignore[arg-type]
-    timeout_s = min(timeout.total_seconds(), 1e9)  # beyond that, "forever" (and lock waits overflow)
-    if timeout_s <= 0:
-        raise ValueError(f"tcp backend: timeout must be positive, got {timeout}")
-    timeout = timedelta(seconds=timeout_s)
-    secret = bytes(secret or b"")
-    if world_size == 1:
-        return TcpBackend(
-            rank,
-            world_size,
-            timeout,
-            Transport(rank, world_size, {}, timeout_s, global_ranks),
-            options,
-            authenticated=bool(secret),
-        )
-    mode, host = hierarchy_mode(options), host_id(options, rank)  # (bad options: an error before connecting)
-    mesh = connect_mesh(store, rank, world_size, timeout_s, options, secret)
-    transport = Transport(rank, world_size, mesh.sockets, timeout_s, global_ranks)
-    shm = host_shm = layout = None
-    try:
-        layout = host_layout(store, rank, world_size, mesh.nonce, timeout_s, host)
-        if len(layout.hosts) == 1:
-            shm = open_shm(store, rank, world_size, timeout_s, options, transport, mesh.nonce, mesh.key)
-            layout = None
-        elif mode == "off" or not layout.worth_it or not shm_enabled(options):
-            layout = None
-        else:
-            layout, host_shm = _open_hosts(store, rank, world_size, timeout_s, options, transport, mesh, layout)
-    except BaseException:
-        for engine in (shm, host_shm):
-            if engine is not None:
-                engine.close()
-        transport.close(0.0)
-        raise
-    return TcpBackend(
-        rank, world_size, timeout, transport, options, shm, bool(secret), layout=layout, host_shm=host_shm
-    )
+def __getattr__(name: str) -> Any:
+    if name == "create_backend":  # (it lives in tdist_tcp.factory, which imports this module)
+        from .factory import create_backend
 
-
-def _open_hosts(
-    store: "Store",
-    rank: int,
-    size: int,
-    timeout: float,
-    options: Mapping,
-    transport: Transport,
-    mesh: Any,
-    layout: Layout,
-) -> tuple[Optional[Layout], Optional[ShmEngine]]:
-    """Every host's segment; the layout and this host's segment (None when alone on it) if
-    every host with several ranks has its segment, else (None, None) on every rank."""
-    deadline = time.monotonic() + timeout
-    members = layout.hosts[layout.host_of(rank)]
-    engine = None
-    if len(members) > 1:
-        index = members.index(rank)
-        engine = open_shm(
-            store, index, len(members), timeout, options, transport, mesh.nonce, mesh.key, members=members
-        )
-    ready = "1" if engine is not None or len(members) == 1 else "0"
-    try:
-        answers = everyones(
-            store,
-            f"tcp/hier/{mesh.nonce.hex()}/",
-            rank,
-            size,
-            ready,
-            deadline - time.monotonic(),
-            "opening every host's shared memory",
-        )
-        agreed = all(v == b"1" for v in answers)
-    except BaseException:
-        if engine is not None:
-            engine.close()
-        raise
-    if agreed:
-        return layout, engine
-    if engine is not None:
-        engine.close()
-    return None, None
+        return create_backend
+    raise AttributeError(name)

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
     from tdist.plugin import Reduction
 
-    from .shm import ShmEngine
+    from .shmstep import ShmSteps
 
 __all__ = ["Kernel", "numpy_dtype"]
 
@@ -73,7 +73,7 @@ class Kernel:
 
     __slots__ = ("eng", "dtype", "es", "op", "npdt", "ufunc")
 
-    def __init__(self, eng: "ShmEngine", dtype: "torch.dtype", op: Optional["Reduction"]) -> None:
+    def __init__(self, eng: "ShmSteps", dtype: "torch.dtype", op: Optional["Reduction"]) -> None:
         self.eng = eng
         self.dtype = dtype
         self.es = dtype.itemsize

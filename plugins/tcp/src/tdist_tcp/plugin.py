@@ -20,7 +20,7 @@ DESCRIPTION = (
 
 def create_tcp_backend(**kwargs: Any) -> Any:
     """``factory(store=, rank=, world_size=, timeout=, options=, global_ranks=)``."""
-    from .backend import create_backend
+    from .factory import create_backend
 
     return create_backend(**kwargs)
 

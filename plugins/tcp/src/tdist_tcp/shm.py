@@ -11,25 +11,14 @@ namespace, ``shm`` disabled by ``options["shm"]`` or ``$TDIST_TCP_SHM=0``, not L
 on x86-64) the whole group keeps to its sockets. Point-to-point traffic always goes
 through the sockets.
 
-The segment holds, per rank, a control block (a step counter, a "sleeping" flag,
-its pid, the descriptors of its current collectives) and two data buffers of
-``shm_slot_bytes`` each. A collective is a sequence of *steps*: a rank writes into
-its own buffer, bumps its counter, waits until every peer's counter has reached
-the same value, then reads what it needs from its peers' buffers. Consecutive
-rounds alternate between the two buffers, so a rank never overwrites data a peer
-may still be reading (a peer that has posted step k has finished reading round
-k - 1). Waiting spins for a few tens of microseconds (never between ranks that are
-threads of one process) and then sleeps in ``futex(2)`` on the peer's counter; a
-poster wakes sleepers only when one has raised its flag.
+The modules of the engine:
 
-Checks kept from the socket path:
-
-- every collective's first step publishes (sequence number, operation, reduce op,
-  dtype, size, root); every rank compares its peers' with its own and the group
-  fails everywhere on a mismatch (all_to_all compares the per-pair sizes instead);
-- a dead peer is still seen by its socket (its reader thread breaks the transport,
-  which wakes the waiters here); a peer that destroyed its group, the group
-  timeout and a broken group raise as on the socket path.
+- :mod:`tdist_tcp.shmstep`: the segment's layout (per rank a control block and two
+  buffers) and the step protocol (post, wait, descriptor checks, liveness, timeouts);
+- :mod:`tdist_tcp.shmwait`: the waiting policy (spin or sleep at once, from the ranks on
+  the host against the CPUs they may use, and whether a CPU is free);
+- this module: setting the segment up and the collective algorithms on it;
+- :mod:`tdist_tcp.kernels` the reductions, :mod:`tdist_tcp.native` the optional C part.
 
 Algorithms (``p`` ranks, per-rank buffer ``S`` bytes):
 
@@ -40,19 +29,19 @@ Algorithms (``p`` ranks, per-rank buffer ``S`` bytes):
   step copies every reduced slice out (reduce-scatter then all-gather by reading);
 - reduce: the same, only the root copies out; broadcast, gather, all_gather,
   scatter, reduce_scatter, all_to_all: one step per round, each rank reading
-  straight from the writer's buffer; barrier: one empty step.
+  straight from the writer's buffer; barrier: one empty step. all_to_all compares the
+  per-pair sizes (every rank publishes its row of the matrix) instead of a size in its
+  descriptor.
 
 Copies are ``memmove`` through ctypes and reductions numpy ufuncs (both release
 the GIL and stay on one thread), with tdist.reduction's torch functions for the
-dtypes numpy lacks (bfloat16, float8, complex32, ...). The memory ordering relied
-upon (a counter's store seen after the data stores before it) is x86's, hence the
-x86-64 restriction.
+dtypes numpy lacks (bfloat16, float8, complex32, ...).
 
 The small one-step collectives of a caller that waits (barrier, broadcast, all_reduce
 and reduce up to 64 KiB) run in one call into the optional C part instead
-(:mod:`tdist_tcp.native`: :attr:`ShmEngine.fast`), which follows this protocol exactly
-and shares the engine's counters; when its bounded spin runs out, :meth:`ShmEngine.settle`
-waits here, in Python, as :meth:`ShmEngine._step` does.
+(:mod:`tdist_tcp.native`: :attr:`ShmEngine.fast`), which follows the same protocol
+and shares the engine's counters; when its bounded spin runs out (or the policy says
+not to spin), :meth:`ShmEngine.settle` waits here, in Python, as every step does.
 """
 
 from __future__ import annotations
@@ -77,9 +66,10 @@ from tdist.plugin import (
     flag,
 )
 
-from . import native, segment
-from .futex import futex_wait, futex_wake
-from .kernels import Kernel
+from . import native, segment, shmwait
+from .shmstep import ALIGN as _ALIGN
+from .shmstep import ShmSteps, set_pid
+from .shmstep import layout as _layout
 from .wire import describe
 
 if TYPE_CHECKING:
@@ -93,21 +83,11 @@ __all__ = ["ShmEngine", "open_shm", "shm_enabled", "SHM_ENV", "DEFAULT_SLOT_BYTE
 
 SHM_ENV = "TDIST_TCP_SHM"
 DEFAULT_SLOT_BYTES = 1 << 20
+#: with more ranks on the host than CPUs (every step then costs a sleep and a wake): fewer rounds
+DEFAULT_SLOT_BYTES_OVERSUBSCRIBED = 4 << 20
 DEFAULT_DIRECT_BYTES = 512 << 10  # divided by the group size
-DEFAULT_SPIN_US = 100.0
-DEFAULT_SPIN_US_OVERSUBSCRIBED = 1000.0
 DEFAULT_BLOCK_BYTES = 256 << 10
-
-_CTRL = 256  # control bytes per rank
-_CTR, _FLAG, _PID = 0, 1, 2  # uint32 words of a control block
-_DESC = struct.Struct("<QQIBBBx")  # seq, nbytes, root, op, redop, dtype
-_DESC_AT = 16  # two descriptors (by collective parity) from here: in the counter's cache line
-_DESC_STRIDE = _DESC.size
-_MASK = 0xFFFFFFFF
-_HALF = 0x80000000
-_ALIGN = 64
 _ARRAY_CACHE_BYTES = 4096  # tensors up to this size keep their numpy view between collectives
-
 
 _memmove = ctypes.memmove
 
@@ -128,16 +108,6 @@ warnings.filterwarnings("ignore", category=RuntimeWarning, module=__name__.repla
 
 
 # --------------------------------------------------------------------- the segment
-def _layout(size: int, slot: int) -> tuple[int, int, int]:
-    """(control offset, data offset, total bytes) of a segment for ``size`` ranks."""
-    return segment.layout(size, slot, _CTRL)
-
-
-def _set_pid(mm: mmap.mmap, size: int, slot: int, rank: int) -> None:
-    """Publish this rank's pid (ranks that are threads of one process never spin)."""
-    struct.pack_into("<I", mm, _layout(size, slot)[0] + rank * _CTRL + 4 * _PID, os.getpid() & _MASK)
-
-
 def open_shm(
     store: Any,
     rank: int,
@@ -157,12 +127,16 @@ def open_shm(
     first member), so a re-created group never reads a previous incarnation's. Every
     member answers ``ok`` or not; the segment is used only if all did; member 0 holds its
     descriptor until then. Member 0's buffer size and one-step threshold (which decide
-    the algorithms) are everybody's.
+    the algorithms) are everybody's; its default buffer is bigger when the members
+    outnumber the CPUs member 0 may use (:func:`tdist_tcp.shmwait.oversubscribed`).
     """
     deadline = time.monotonic() + timeout
     want = shm_enabled(options)
     ranks = list(members) if members is not None else list(range(size))
-    slot = max(_ALIGN * size * 64, int(options.get("shm_slot_bytes", DEFAULT_SLOT_BYTES)))
+    default_slot = DEFAULT_SLOT_BYTES
+    if rank == 0 and shmwait.oversubscribed(size, shmwait.usable_cpus()):
+        default_slot = DEFAULT_SLOT_BYTES_OVERSUBSCRIBED
+    slot = max(_ALIGN * size * 64, int(options.get("shm_slot_bytes", default_slot)))
     slot = (slot + 4095) // 4096 * 4096
     direct = min(int(options.get("shm_direct_bytes", DEFAULT_DIRECT_BYTES // size)), slot)
     key_prefix = f"tcp/shm/{nonce.hex()}/" if members is None else f"tcp/shm/{nonce.hex()}/{ranks[0]}/"
@@ -175,7 +149,7 @@ def open_shm(
                 try:
                     name, fd, mm = segment.create(_layout(size, slot)[2], size, slot, nonce, key)
                     where = segment.locator(name, fd)
-                    _set_pid(mm, size, slot, rank)
+                    set_pid(mm, size, slot, rank)
                 except OSError as exc:
                     where, mm = "", None
                     _say_no_descriptors(ranks[rank], exc)
@@ -190,7 +164,7 @@ def open_shm(
                 except OSError as exc:  # out of file descriptors
                     _say_no_descriptors(ranks[rank], exc)
             if mm is not None:
-                _set_pid(mm, size, slot, rank)
+                set_pid(mm, size, slot, rank)
             store.set(key_prefix + f"ok/{rank}", "1" if mm is not None else "0")
         keys = [key_prefix + f"ok/{r}" for r in range(1, size)]
         try:
@@ -228,17 +202,7 @@ def _say_no_descriptors(rank: int, exc: OSError) -> None:
 
 
 # ------------------------------------------------------------------------- engine
-class _Counters:
-    """The engine's step and round counters, without the C part."""
-
-    __slots__ = ("k", "rounds")
-
-    def __init__(self) -> None:
-        self.k = 0
-        self.rounds = 0
-
-
-class ShmEngine:
+class ShmEngine(ShmSteps):
     """One group's collectives over its shared segment (one collective at a time)."""
 
     def __init__(
@@ -252,260 +216,17 @@ class ShmEngine:
         direct_bytes: Optional[int] = None,
         ranks: Optional[Sequence[int]] = None,
     ) -> None:
-        self.mm = mm
-        self.r, self.p = rank, size
-        #: the group rank of each member (``rank``, ``size`` and the peers here count members);
-        #: ``ranks`` None: the whole group
-        self.ranks = list(ranks) if ranks is not None else list(range(size))
-        self.S = slot
-        self.tr = transport
-        ctrl, data, _total = _layout(size, slot)
-        self._ctrl_off, self._data_off = ctrl, data
-        self.base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        self.u8 = np.frombuffer(mm, dtype=np.uint8)
-        self._t8: Any = None
-        words = _CTRL // 4
-        self.ctl = (ctypes.c_uint32 * (size * words)).from_buffer(mm, ctrl)
-        self._me_ctr = rank * words + _CTR
-        self._me_flag = rank * words + _FLAG
-        self._my_addr = self.base + ctrl + rank * _CTRL
-        self._peers = [q for q in range(size) if q != rank]
-        self._peer_ctr = [(q, q * words + _CTR, self.base + ctrl + q * _CTRL) for q in self._peers]
-        self._peer_flags = [q * words + _FLAG for q in self._peers]
+        """``direct_bytes`` (member 0's, the same everywhere): the largest one-step all_reduce;
+        ``ranks``: the group ranks of the members (None: the whole group)."""
+        super().__init__(mm, rank, size, slot, transport, options, ranks)
         # the one-step all_reduce reads p times the data: worth it while that stays small
         if direct_bytes is None:
             direct_bytes = int(options.get("shm_direct_bytes", DEFAULT_DIRECT_BYTES // size))
         self.direct_bytes = min(direct_bytes, slot)  # must be the same on every rank
         self.block_bytes = max(4096, int(options.get("shm_block_bytes", DEFAULT_BLOCK_BYTES)))
-        self._my_desc = [ctrl + rank * _CTRL + _DESC_AT, ctrl + rank * _CTRL + _DESC_AT + _DESC_STRIDE]
-        # A rank may post a collective's descriptor while a slower peer still checks the
-        # previous one, never the one before (that peer has stepped since): two slots, by
-        # collective parity. Every collective of the group steps here when the segment is the
-        # whole group's (the C part relies on seq & 1 then); a host's segment of a hierarchical
-        # group sees only some collectives, so it counts its own.
-        self._whole_group = ranks is None
-        self._last_seq, self._parity = -1, 0
-        self._kernels: dict = {}
-        self._last_kernel: tuple = (None, None, None)
-        self._views: dict = {}
-        self._arrays: dict = {}
-        self._spin_option = options.get("shm_spin_us")
-        self._spin = 0.0
-        self._yield = False
-        self._spin_setup()
-        self.closed = False
-        #: the C part (see tdist_tcp.native): ``fast.run`` runs a one-step collective in one call
-        #: (then :meth:`settle` unless it returned DONE); None: everything in Python
-        self.fast: Any = None
-        ext = native.native_module(options)
-        if ext is not None:
-            self.fast = ext.Fast(self.base, ctrl, data, slot, rank, size, int(self._spin * 1e9), self._yield)
-        #: ``k``: steps posted, ``rounds``: rounds begun (buffer parity); the C part's own when
-        #: there is one, since its collectives advance them too
-        self.n: Any = self.fast if self.fast is not None else _Counters()
         #: the largest broadcast / reduction the C steps take (the one-step algorithms only)
         self.quick_bytes = min(native.QUICK_BYTES, slot)
         self.quick_reduce_bytes = min(native.QUICK_BYTES, self.direct_bytes)
-        transport.add_break_callback(self.wake)
-
-    # ---------------------------------------------------------------- helpers
-    def t8(self) -> Any:
-        if self._t8 is None:
-            import torch
-
-            self._t8 = torch.frombuffer(self.mm, dtype=torch.uint8)
-        return self._t8
-
-    def kernel(self, dtype: "torch.dtype", op: "Reduction") -> Kernel:
-        last_dtype, last_member, k = self._last_kernel
-        member = op.op
-        if dtype is not last_dtype or member is not last_member:
-            key = (dtype, id(member))  # enum members are singletons (and slow to hash)
-            k = self._kernels.get(key)
-            if k is None:
-                k = self._kernels[key] = Kernel(self, dtype, op)
-            self._last_kernel = (dtype, member, k)
-        k.op = op  # the torch fallback's combine_ needs the call's own Reduction
-        return k
-
-    def views(self, b: int, nbytes: int, npdt: Any) -> list:
-        """numpy views of the first ``nbytes`` of every rank's buffer ``b`` (cached)."""
-        key = (b, nbytes, npdt)
-        v = self._views.get(key)
-        if v is None:
-            if len(self._views) > 256:
-                self._views.clear()
-            v = self._views[key] = [self.u8[o : o + nbytes].view(npdt) for o in (self.off(q, b) for q in range(self.p))]
-        return v
-
-    def _array(self, flat: "torch.Tensor") -> Any:
-        """``flat.numpy()`` for a small tensor, remembered by (address, elements, dtype):
-        building the view costs more than a small collective's reduction. A remembered
-        view is used only for a tensor at the same address with the same elements and
-        dtype, so it always addresses that tensor's memory."""
-        key = (flat.data_ptr(), flat.numel(), flat.dtype)
-        arr = self._arrays.get(key)
-        if arr is None:
-            if len(self._arrays) >= 16:
-                self._arrays.clear()
-            arr = self._arrays[key] = flat.numpy()
-        return arr
-
-    def off(self, q: int, b: int) -> int:
-        return self._data_off + (2 * q + b) * self.S
-
-    def _next_buffer(self) -> int:
-        n = self.n
-        b = n.rounds & 1
-        n.rounds += 1
-        return b
-
-    def _spin_setup(self) -> None:
-        words = _CTRL // 4
-        me = os.getpid() & _MASK
-        same_process = any(self.ctl[q * words + _PID] == me for q in self._peers)
-        ncpu = os.cpu_count() or 1
-        if self._spin_option is not None:
-            spin = float(self._spin_option) * 1e-6
-        else:  # more ranks than CPUs: the peer often needs our CPU, which the spin yields to it
-            spin = (DEFAULT_SPIN_US if self.p <= ncpu else DEFAULT_SPIN_US_OVERSUBSCRIBED) * 1e-6
-        self._spin = 0.0 if same_process else spin
-        self._yield = flag("TDIST_TCP_SHM_YIELD", True)
-
-    def wake(self) -> None:
-        """Wake every waiter of this segment (the transport broke or a peer left)."""
-        if self.mm.closed:
-            return
-        for _q, _i, addr in self._peer_ctr:
-            futex_wake(addr)
-        futex_wake(self._my_addr)
-
-    def close(self) -> None:
-        """Unmap the segment and close its descriptor. The caller makes sure no collective
-        runs on it (the backend waits for the one in progress, woken by the broken
-        transport); a view of it still referenced elsewhere leaves it to the garbage
-        collector. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        self.wake()
-        self.fast = None  # it addresses the mapping
-        self._views, self._arrays, self._kernels, self._last_kernel = {}, {}, {}, (None, None, None)
-        self._t8 = self.u8 = self.ctl = None  # type: ignore[assignment]  # closed: nothing mapped any more
-        self._peer_ctr, self._peer_flags = [], []
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-
-    # ----------------------------------------------------------------- stepping
-    def _slot(self, seq: int) -> int:
-        """The descriptor slot of collective ``seq`` (see ``_whole_group``)."""
-        if self._whole_group:
-            return seq & 1
-        if seq != self._last_seq:
-            self._last_seq, self._parity = seq, self._parity ^ 1
-        return self._parity
-
-    def _put_desc(self, c: "Coll", nbytes: int, root: int = 0) -> tuple:
-        desc = (c.seq, nbytes, root, c.op, c.redop, c.dtype)
-        at = self._my_desc[self._slot(c.seq)]
-        # one copy (not pack_into, which zeroes the bytes first): a collective's later phases
-        # post the same descriptor again while a peer may still be checking the first
-        self.mm[at : at + _DESC_STRIDE] = _DESC.pack(*desc)
-        return desc
-
-    def _step(self, c: "Coll", desc: Optional[tuple] = None) -> None:
-        """Post the next step, wait for every peer to post it, check descriptors on a first step."""
-        ctl = self.ctl
-        n = self.n
-        k = n.k = (n.k + 1) & _MASK
-        ctl[self._me_ctr] = k
-        for fi in self._peer_flags:
-            if ctl[fi]:
-                futex_wake(self._my_addr)
-                break
-        for q, ci, addr in self._peer_ctr:
-            if (ctl[ci] - k) & _MASK >= _HALF:
-                self._wait(c, q, ci, addr, k)
-        if desc is not None:
-            self._check(c, desc)
-
-    def _wait(self, c: "Coll", q: int, ci: int, addr: int, k: int, spin: bool = True) -> None:
-        ctl = self.ctl
-        if self._spin and spin:
-            clock = time.perf_counter
-            end = clock() + self._spin
-            n = 0
-            while True:
-                if (ctl[ci] - k) & _MASK < _HALF:
-                    return
-                n += 1
-                if not n & 31:
-                    if clock() > end:
-                        break
-                    if self._yield:
-                        os.sched_yield()
-        ctl[self._me_flag] = 1
-        try:
-            pause = 0.0005
-            while True:
-                v = ctl[ci]
-                if (v - k) & _MASK < _HALF:
-                    return
-                self._check_alive(c, q, k)
-                left = c.deadline - time.monotonic()
-                futex_wait(addr, v, min(pause, max(left, 0.0)))
-                pause = min(pause * 2, 0.05)
-        finally:
-            ctl[self._me_flag] = 0
-
-    def _check_alive(self, c: "Coll", q: int, k: int) -> None:
-        tr = self.tr
-        if tr.broken is not None:
-            raise tr.broken
-        peer = tr.peers[self.ranks[q]]
-        if peer is not None and peer.closed is not None:
-            raise tr.peer_error(peer)
-        if self.closed:
-            raise DistBackendError(f"tcp backend: {tr.me}'s process group was destroyed")
-        if time.monotonic() >= c.deadline:
-            raise tr.collective_timeout(c, self.ranks[q], via=" (shared memory)")
-
-    def _check(self, c: "Coll", desc: tuple) -> None:
-        parity = self._slot(c.seq) * _DESC_STRIDE
-        for q in self._peers:
-            theirs = _DESC.unpack_from(self.mm, self._ctrl_off + q * _CTRL + _DESC_AT + parity)
-            if theirs == desc:
-                continue
-            seq, nbytes, root, op, redop, dtype = theirs
-            what = describe(c.op, c.redop, c.seq, c.dtype, desc[1])
-            got = describe(op, redop, seq, dtype, nbytes)
-            if root != desc[2]:
-                what += f" (root {desc[2]})"
-                got += f" (root {root})"
-            raise DistBackendError(
-                f"tcp backend: {self.tr.me} expected {what} from {self.tr.label(self.ranks[q])} but got {got} (the ranks "
-                "called different collectives, or with different sizes, dtypes, roots or reduce ops)"
-            )
-
-    # ------------------------------------------- one-step collectives in one C call
-    def settle(self, outcome: int, c: "Coll") -> None:
-        """Finish a quick collective that returned WAIT (wait for the peers as :meth:`_step`
-        does, then complete it) or MISMATCH (raise, naming the peer that differs)."""
-        fast = self.fast
-        try:
-            if outcome == native.WAIT:
-                k = self.n.k
-                for q, ci, addr in self._peer_ctr:
-                    if (self.ctl[ci] - k) & _MASK >= _HALF:
-                        self._wait(c, q, ci, addr, k, spin=False)  # the C call has spun
-                outcome = fast.finish()
-            if outcome == native.MISMATCH:
-                self._check(c, _DESC.unpack_from(self.mm, self._my_desc[self._slot(c.seq)]))
-        finally:
-            if fast is not None:
-                fast.abandon()  # nothing pending any more, whatever happened
 
     # -------------------------------------------------------------- collectives
     def barrier(self, c: "Coll") -> None:

@@ -86,7 +86,7 @@ def shake(sock: ssl.SSLSocket) -> bool:
 class TlsStream:
     """A connected TLS socket with the plain socket's calls that the transport uses.
 
-    The transport reads a peer's socket in one thread while another sends on it, but one
+    The I/O loop reads a peer's socket (:meth:`recv_nowait`) while another thread sends on it, but one
     OpenSSL connection must not be used by two threads at once. So the TLS socket is
     non-blocking, every TLS call is made holding :attr:`lock` (never while waiting), and
     waiting is done outside it with ``select``. A send that makes no progress for one send
@@ -150,6 +150,15 @@ class TlsStream:
                 return got + n
             got += n
         return got
+
+    def recv_nowait(self, buffer: Any, nbytes: int) -> int:
+        """Read what is there into ``buffer`` without waiting (the I/O loop's read): raises
+        BlockingIOError when nothing is (so no decrypted data stays buffered unseen)."""
+        with self.lock:
+            try:
+                return self.tls.recv_into(buffer, nbytes)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                raise BlockingIOError("TLS: nothing to read yet") from None
 
     def shutdown(self, how: int) -> None:
         # the raw socket's shutdown: SSLSocket.shutdown drops the TLS state, and the reader would

@@ -1,12 +1,23 @@
-"""Frames over the mesh of sockets: one reader thread per connection, posted receives, stashes.
+"""Frames over a group's links: posted receives, stashes, failure, and connections made when first needed.
 
-A reader thread reads each frame's header and hands the payload to the receive
-posted for it, reading straight into the destination tensor (zero copy); a frame
-nobody waits for yet goes into a freshly allocated buffer in that peer's stash,
-from which the next matching receive copies it once it is complete. Posting a receive
-never waits for a stashed frame still arriving (a rank that starts a collective late
-must start its own sends at once, or its link idles while its peer's data comes in).
+Every link (connection to a peer) of every group of the process is read by the one I/O
+loop thread of :mod:`tdist_tcp.ioloop`: a link's reader (:class:`~tdist_tcp.links.Link`)
+reads each frame's header and hands the payload to the receive posted for it, reading
+straight into the destination tensor (zero copy, non-blocking ``recv_into`` calls
+resumed whenever the socket has more); a frame nobody waits for yet goes into a freshly
+allocated buffer in that peer's stash, from which the next matching receive copies it
+once it is complete. Posting a receive never waits for a stashed frame still arriving (a
+rank that starts a collective late must start its own sends at once, or its link idles
+while its peer's data comes in). Sends are made by the calling threads (blocking, with
+``SO_SNDTIMEO`` slices, one frame at a time per link).
 
+- Connections are made when first needed: the first frame to a peer, or the first
+  collective receive posted from it, connects to it (:meth:`Transport.connect`, through
+  the group's :class:`~tdist_tcp.mesh.Mesh`), unless the peer connected first (its
+  connection is accepted by the listener, which the I/O loop serves for the group's
+  lifetime). When both ends connect at once, the connection opened by the lower rank
+  is kept: the higher rank's is refused with a DUPLICATE verdict and it waits for the
+  other one.
 - A pair of ranks may use several connections (*links*, the ``streams`` option):
   segment ``k`` of a collective travels on link ``k % links``, P2P, acknowledgement
   and control frames on link 0, so both ends agree where each frame goes.
@@ -15,13 +26,13 @@ must start its own sends at once, or its link idles while its peer's data comes 
   mismatch fails the group everywhere (ABORT frames carry the reason to the peers).
 - P2P frames match posted receives by (source or any source, tag) in posting order;
   frames between a pair stay in order. A size or dtype mismatch fails that receive only.
-- A peer whose connection ends without a BYE frame (crash, reset) breaks the group:
-  every pending and later operation raises. A peer that said BYE (destroyed its group)
-  only fails the operations that need it.
+- A connected peer whose connection ends without a BYE frame (crash, reset) breaks the
+  group: every pending and later operation raises. A peer that said BYE (destroyed its
+  group) only fails the operations that need it.
 - A collective that times out asks every peer which collective it has reached
-  (PROBE/STATE frames, answered by the peers' reader threads) to name the ranks that
-  did not arrive; the ABORT frames that break the group carry that verdict, so every
-  rank raises the same :class:`DistBackendTimeoutError` naming them.
+  (PROBE/STATE frames, answered by the peers' I/O loops; see :mod:`tdist_tcp.verdicts`)
+  to name the ranks that did not arrive; the ABORT frames that break the group carry
+  that verdict, so every rank raises the same :class:`DistBackendTimeoutError` naming them.
 """
 
 from __future__ import annotations
@@ -31,222 +42,37 @@ import socket
 import struct
 import threading
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-import numpy as np
 from tdist.plugin import DistBackendError, DistBackendTimeoutError
 
-from .wire import (
-    ABORT,
-    BYE,
-    COLL,
-    FRAME_MAGIC,
-    HEADER,
-    OP_ACK,
-    P2P,
-    PROBE,
-    STATE,
-    describe,
-    dtype_name,
-    pack_header,
-    part_name,
+from .ioloop import io_loop
+from .links import (
+    ABORT_REASON_CHARS,
+    FrameTimeout,
+    Link,
+    Peer,
+    PostedRecv,
+    Stashed,
+    clip_reason,
+    send_control,
+    timeout_error,
 )
+from .verdicts import Verdicts
+from .wire import ABORT, BYE, pack_header
 
 if TYPE_CHECKING:
     from .algorithms import Coll
+    from .mesh import Mesh
 
-__all__ = ["Transport", "PostedRecv", "FrameTimeout"]
+__all__ = ["Transport", "PostedRecv", "FrameTimeout", "clip_reason", "ABORT_REASON_CHARS"]
 
-_READ_BUFFER = 64 << 10  # a reader's buffered chunk (headers and small payloads)
 _SMALL_SEND = 16 << 10  # payloads up to this size are sent joined to their header
 _SEND_SLICE = 0.5  # seconds a blocked send waits before it checks the group and its own timeout
-_READ_AHEAD = 8 << 10  # bytes a reader asks for beyond the header it needs
-_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
 
-class PostedRecv:
-    """A receive waiting for one frame. Collective receives complete by releasing
-    ``done``; P2P receives call ``callback(self)`` instead."""
-
-    __slots__ = ("src", "dest", "nbytes", "op", "redop", "seq", "dtype", "tag", "done", "error", "source", "callback")
-
-    def __init__(
-        self,
-        src: Optional[int],
-        dest: memoryview,
-        op: int,
-        redop: int,
-        seq: int,
-        dtype: int,
-        tag: int = 0,
-        callback: Optional[Callable[["PostedRecv"], None]] = None,
-    ) -> None:
-        self.src = src
-        self.dest = dest
-        self.nbytes = len(dest)
-        self.op = op
-        self.redop = redop
-        self.seq = seq
-        self.dtype = dtype
-        self.tag = tag
-        self.error: Optional[BaseException] = None
-        self.source = -1 if src is None else src
-        self.callback = callback
-        self.done = threading.Lock()
-        self.done.acquire()
-
-    def finish(self, error: Optional[BaseException] = None) -> None:
-        """Complete the receive (called exactly once, by whoever took it off a list)."""
-        self.error = error
-        if self.callback is None:
-            self.done.release()
-            return
-        try:  # completes a Work, which runs its done-callbacks: never let them break a reader
-            self.callback(self)
-        except Exception:
-            pass
-
-
-class _Stashed:
-    """A frame that arrived before its receive was posted. The receive that claims it
-    gets its data through :meth:`deliver_to` as soon as the frame is fully read, without
-    waiting for the rest of it to arrive (the reader thread delivers what is still coming)."""
-
-    __slots__ = (
-        "op",
-        "redop",
-        "seq",
-        "dtype",
-        "tag",
-        "nbytes",
-        "shape",
-        "data",
-        "error",
-        "arrival",
-        "_guard",
-        "_complete",
-        "_then",
-    )
-
-    def __init__(
-        self, op: int, redop: int, seq: int, dtype: int, tag: int, nbytes: int, shape: tuple, arrival: int
-    ) -> None:
-        self.op, self.redop, self.seq, self.dtype, self.tag = op, redop, seq, dtype, tag
-        self.nbytes = nbytes
-        self.shape = shape
-        self.data: Any = np.empty(nbytes, dtype=np.uint8)  # a buffer (numpy's stubs do not say so)
-        self.error: Optional[BaseException] = None
-        self.arrival = arrival
-        self._guard = threading.Lock()
-        self._complete = False
-        self._then: Optional[Callable[[Optional[BaseException]], None]] = None
-
-    def finish(self, error: Optional[BaseException] = None) -> None:
-        """The frame is fully read (or never will be: ``error``); called by its reader."""
-        with self._guard:
-            self.error = error
-            self._complete = True
-            then, self._then = self._then, None
-        if then is not None:
-            then(error)
-
-    def deliver_to(self, then: Callable[[Optional[BaseException]], None]) -> None:
-        """Call ``then(error)`` once the frame is complete: now if it is, else from the reader."""
-        with self._guard:
-            if not self._complete:
-                self._then = then
-                return
-        then(self.error)
-
-
-class _Link:
-    """One connection (stream) to a peer: its socket, its reader, and the collective
-    frames it carries, matched FIFO."""
-
-    __slots__ = ("index", "sock", "send_lock", "coll_posted", "coll_stash", "said_bye", "reader")
-
-    def __init__(self, index: int, sock: socket.socket) -> None:
-        self.index = index
-        self.sock = sock
-        self.send_lock = threading.Lock()
-        self.coll_posted: deque[PostedRecv] = deque()
-        self.coll_stash: deque[_Stashed] = deque()
-        self.said_bye = False
-        self.reader: Optional[threading.Thread] = None
-
-
-class _Peer:
-    """Another rank: its links (stream 0 carries P2P, acknowledgement and control frames;
-    a collective's segment ``k`` travels on link ``k % len(links)``) and P2P stash."""
-
-    __slots__ = ("rank", "links", "p2p_stash", "closed", "failed", "label")
-
-    def __init__(self, rank: int, socks: Sequence[socket.socket], label: str) -> None:
-        self.rank = rank
-        self.label = label
-        self.links = [_Link(i, sock) for i, sock in enumerate(socks)]
-        self.p2p_stash: list[_Stashed] = []
-        self.closed: Optional[str] = None  # why this peer can no longer be reached
-        self.failed: Optional[int] = None  # its global rank once it is gone (died, shut down)
-
-    def link_of(self, part: int) -> _Link:
-        """The link that carries collective frame ``part`` (step << 32 | segment)."""
-        links = self.links
-        return links[(part & 0xFFFFFFFF) % len(links)] if len(links) > 1 else links[0]
-
-    @property
-    def said_bye(self) -> bool:
-        return any(link.said_bye for link in self.links)
-
-    def take_posted(self) -> list[PostedRecv]:
-        """Withdraw every collective receive posted on this peer's links (caller holds the transport's lock)."""
-        taken: list[PostedRecv] = []
-        for link in self.links:
-            taken.extend(link.coll_posted)
-            link.coll_posted.clear()
-        return taken
-
-
-class _EOF(Exception):
-    pass
-
-
-class _Corrupt(Exception):
-    pass
-
-
-class FrameTimeout(Exception):
-    """A collective's frame from ``peer`` did not arrive (entirely) before the deadline;
-    the collective turns it into :meth:`Transport.collective_timeout`'s error."""
-
-    def __init__(self, peer: int, op: int, nbytes: int, part: int) -> None:
-        what = "acknowledgement" if op == OP_ACK else f"{nbytes}-byte frame"
-        self.frame = f"its {what}" + (f" ({part_name(part)})" if part else "")
-        super().__init__(self.frame)
-        self.peer = peer
-
-
-#: How much of a peer's ABORT reason goes into this rank's error (the frame may hold 1 MiB).
-ABORT_REASON_CHARS = 1024
-
-
-def clip_reason(reason: str, limit: int = ABORT_REASON_CHARS) -> str:
-    """``reason`` cut to ``limit`` characters, saying how many bytes were left out."""
-    if len(reason) <= limit:
-        return reason
-    omitted = len(reason[limit:].encode("utf-8", "replace"))
-    return f"{reason[:limit]}… ({omitted} bytes omitted)"
-
-
-def _timeout_error(message: str, missing: Sequence[int]) -> DistBackendTimeoutError:
-    err = DistBackendTimeoutError(message)
-    err.missing_ranks = list(missing)  # type: ignore[attr-defined]  # carried by the ABORT frames
-    return err
-
-
-class Transport:
-    """The sockets to every peer of one group and the matching of frames to receives."""
+class Transport(Verdicts):
+    """The links to the peers of one group and the matching of frames to receives."""
 
     def __init__(
         self,
@@ -255,12 +81,17 @@ class Transport:
         sockets: Mapping[int, Sequence[socket.socket]],
         timeout: float,
         global_ranks: Optional[Sequence[int]] = None,
+        mesh: Optional["Mesh"] = None,
     ) -> None:
+        """``sockets``: connections already made, by peer; ``mesh``: makes the others when
+        first needed (without one, a peer not in ``sockets`` cannot be reached)."""
         self.rank = rank
         self.size = size
         self.timeout = timeout
+        self.mesh = mesh
         self._global = list(global_ranks) if global_ranks else list(range(size))
         self._lock = threading.Lock()
+        self._linked = threading.Condition(self._lock)  # a peer got its links (or a connect attempt ended)
         self._p2p_posted: list[PostedRecv] = []
         self._arrivals = 0
         self.broken: Optional[DistBackendError] = None
@@ -268,33 +99,16 @@ class Transport:
         self._closing = False
         self._helpers: list[threading.Thread] = []
         self._break_callbacks: list[Callable[[], None]] = []
-        self.peers: list[Optional[_Peer]] = [None] * size
+        self.peers: list[Optional[Peer]] = [None if q == rank else Peer(q, self.label(q)) for q in range(size)]
         #: collectives this rank has issued (the backend counts them; peers' probes read it)
         self.issued = 0
         self._probe_seq = 0
         self._probe_replies: dict[int, int] = {}
         self._probe_cv = threading.Condition(self._lock)
-        slice_s = min(timeout, _SEND_SLICE)
-        sndtimeo = struct.pack("ll", int(slice_s), int((slice_s % 1) * 1e6))
         for peer_rank, socks in sockets.items():
-            for sock in socks:
-                try:  # a blocked send returns after this long (see _push)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, sndtimeo)
-                except (OSError, OverflowError):
-                    pass
-            self.peers[peer_rank] = _Peer(peer_rank, socks, self.label(peer_rank))
-        for peer in self.peers:
-            if peer is None:
-                continue
-            for link in peer.links:
-                suffix = f".{link.index}" if len(peer.links) > 1 else ""
-                link.reader = threading.Thread(
-                    target=self._read_loop,
-                    args=(peer, link),
-                    name=f"tdist-tcp-r{rank}-from{peer.rank}{suffix}",
-                    daemon=True,
-                )
-                link.reader.start()
+            self.attach(peer_rank, socks)
+        if mesh is not None:
+            mesh.serve(self)
 
     # ------------------------------------------------------------------ names
     def label(self, rank: int) -> str:
@@ -306,18 +120,119 @@ class Transport:
     def me(self) -> str:
         return self.label(self.rank)
 
-    def _gone_error(self, message: str, peer: Optional[_Peer]) -> DistBackendError:
+    def _gone_error(self, message: str, peer: Optional[Peer]) -> DistBackendError:
         """A :class:`DistBackendError` that is the consequence of ``peer``'s failure (None:
         a peer, not known which): ``failed_peer`` names its global rank."""
         err = DistBackendError(message)
         err.failed_peer = -1 if peer is None else self._global[peer.rank]
         return err
 
-    def peer_error(self, peer: _Peer) -> DistBackendError:
+    def peer_error(self, peer: Peer) -> DistBackendError:
         """The error of an operation with ``peer``, which can no longer be reached."""
         err = DistBackendError(peer.closed)
         err.failed_peer = peer.failed
         return err
+
+    # ------------------------------------------------------------ connections
+    def connect(self, peer: Peer, limit: Optional[float] = None, broken_too: bool = False) -> None:
+        """Make sure ``peer`` has its links: connect to it (in this thread) unless it is
+        connected or connecting to this rank, within ``limit`` s (default: the group's
+        timeout); raises why not (the group's error if it is broken, unless ``broken_too``:
+        to tell the peer why)."""
+        deadline = time.monotonic() + (self.timeout if limit is None else limit)
+        while True:
+            with self._lock:
+                while not peer.links:
+                    if self.broken is not None and not broken_too:
+                        raise self.broken
+                    if peer.closed is not None:
+                        raise self.peer_error(peer)
+                    now = time.monotonic()
+                    waiting = peer.expect > now
+                    if not (peer.connecting or peer.incoming or waiting):
+                        break
+                    if now >= deadline:
+                        raise timeout_error(
+                            f"tcp backend: {self.me} timed out after {self.timeout:g} s waiting for "
+                            f"{peer.label} to connect",
+                            [peer.rank],
+                        )
+                    self._linked.wait(min(deadline - now, peer.expect - now if waiting else 1.0))
+                if peer.links:
+                    return
+                if self.mesh is None or self._closing:
+                    raise DistBackendError(f"tcp backend: {self.me} has no connection to {peer.label}")
+                peer.connecting = True
+            socks: Optional[list[Any]] = None
+            ok = False
+            try:
+                socks = self.mesh.connect(peer.rank, deadline)
+                ok = True
+            except ConnectionRefusedError:
+                err = self._gone_error(
+                    f"tcp backend: {peer.label} refuses connections from {self.me}: it has shut down its "
+                    "process group (or exited)",
+                    peer,
+                )
+                with self._lock:
+                    if peer.closed is None:
+                        peer.closed, peer.failed = str(err), err.failed_peer
+                raise err from None
+            finally:
+                with self._lock:
+                    peer.connecting = False
+                    if socks:
+                        self._attach_locked(peer, socks)
+                    elif ok:  # the peer is connecting to this rank: wait for it a while, then try again
+                        peer.expect = time.monotonic() + 1.0
+                    self._linked.notify_all()
+
+    def admit(self, rank: int) -> bool:
+        """Whether to accept a connection that ``rank`` is opening (its first stream, proved):
+        not when connected already, nor when this lower rank is connecting to it (the
+        lower rank's connection wins). Called by the listener in the I/O loop."""
+        with self._lock:
+            peer = self.peers[rank] if 0 <= rank < self.size else None
+            if peer is None or self._closing or peer.links or peer.closed is not None:
+                return False
+            if peer.connecting and self.rank < rank:
+                return False
+            peer.incoming = True
+            return True
+
+    def incoming_failed(self, rank: int) -> None:
+        """A connection ``rank`` was opening was dropped before all its streams arrived."""
+        with self._lock:
+            peer = self.peers[rank]
+            if peer is not None:
+                peer.incoming = False
+                self._linked.notify_all()
+
+    def attach(self, rank: int, socks: Sequence[Any]) -> None:
+        """Give ``rank`` these connected, authenticated sockets (its streams, stream 0 first)."""
+        with self._lock:
+            peer = self.peers[rank]
+            assert peer is not None
+            self._attach_locked(peer, socks)
+            self._linked.notify_all()
+
+    def _attach_locked(self, peer: Peer, socks: Sequence[Any]) -> None:
+        peer.incoming, peer.expect = False, 0.0
+        if self._closing or peer.links:  # too late, or a second set (never used): close it
+            for sock in socks:
+                sock.close()
+            return
+        slice_s = min(self.timeout, _SEND_SLICE)
+        sndtimeo = struct.pack("ll", int(slice_s), int((slice_s % 1) * 1e6))
+        for sock in socks:
+            try:  # a blocked send returns after this long (see _push)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, sndtimeo)
+            except (OSError, OverflowError):
+                pass
+        peer.links = [Link(i, sock, peer, self) for i, sock in enumerate(socks)]
+        loop = io_loop()
+        for link in peer.links:
+            loop.register(link.sock, link)
 
     # ---------------------------------------------------------------- sending
     def send(self, dst: int, header: bytes, payload: memoryview, coll: Optional["Coll"] = None, part: int = 0) -> None:
@@ -331,6 +246,8 @@ class Transport:
             raise DistBackendError(f"tcp backend: {self.me} cannot send to itself")
         if peer.closed is not None:
             raise self.peer_error(peer)
+        if not peer.links:
+            self.connect(peer)
         n = len(payload)
         link = peer.link_of(part)
         sent = -1
@@ -393,12 +310,12 @@ class Transport:
                     parts[0] = parts[0][sent:]
                     sent = 0
 
-    def _send_failed(self, peer: _Peer, exc: OSError, coll: Optional["Coll"] = None) -> DistBackendError:
+    def _send_failed(self, peer: Peer, exc: OSError, coll: Optional["Coll"] = None) -> DistBackendError:
         if self.broken is not None:
             return self.broken
         if peer.closed is not None:
             return self.peer_error(peer)
-        if peer.said_bye:  # it destroyed its group; its reader has not seen the EOF yet
+        if peer.said_bye:  # it destroyed its group; its link's reader has not seen the EOF yet
             return self._gone_error(
                 f"tcp backend: {peer.label} has shut down its process group; {self.me} cannot communicate with it",
                 peer,
@@ -412,7 +329,7 @@ class Transport:
                     coll, peer.rank, f"sending to {peer.label}, which stopped reading"
                 )
             else:
-                err = _timeout_error(
+                err = timeout_error(
                     f"tcp backend: {self.me} timed out after {self.timeout:g} s sending to "
                     f"{peer.label} (it stopped reading its connection)",
                     [peer.rank],
@@ -435,6 +352,8 @@ class Transport:
         pr = PostedRecv(src, dest, op, redop, seq, dtype, part)
         peer = self.peers[src]
         assert peer is not None  # never this rank
+        if not peer.links:
+            self.connect(peer)
         link = peer.link_of(part)
         with self._lock:
             if self.broken is not None:
@@ -462,9 +381,9 @@ class Transport:
         self._claim(pr, stashed)
         return pr
 
-    def _claim(self, pr: PostedRecv, stashed: _Stashed) -> None:
+    def _claim(self, pr: PostedRecv, stashed: Stashed) -> None:
         """Complete ``pr`` with ``stashed`` as soon as that frame is fully read: now if it
-        is, else from its reader (posting never waits for a frame still arriving). A group
+        is, else from its link's reader (posting never waits for a frame still arriving). A group
         broken meanwhile fails it, as it fails the receives still posted."""
 
         def land(error: Optional[BaseException]) -> None:
@@ -492,66 +411,6 @@ class Transport:
                 pass
         raise FrameTimeout(peer.rank, pr.op, pr.nbytes, pr.tag)
 
-    # --------------------------------------------------------------- timeouts
-    def collective_timeout(
-        self, c: "Coll", waited_for: int, detail: str = "", via: str = ""
-    ) -> DistBackendTimeoutError:
-        """The error of collective ``c`` that timed out on ``waited_for`` (``detail``: how),
-        naming the ranks that did not arrive at it (asked with :meth:`probe`)."""
-        missing, silent = self.probe(c.seq, min(2.0, max(0.5, self.timeout / 2)))
-        what = describe(c.op, c.redop, c.seq, c.dtype, c.nbytes)
-        head = f"tcp backend: {self.me} timed out after {self.timeout:g} s in {what}{via}"
-        if missing:
-            parts = []
-            for q in missing:
-                why = "no answer: stopped, hung or overloaded" if q in silent else "it has not started it"
-                parts.append(f"{self.label(q)} ({why})")
-            names = ", ".join(parts)
-            verdict = f"{names} did not arrive" if len(missing) == 1 else f"ranks {names} did not arrive"
-        else:  # everyone has started it: the one waited for is stuck behind something else
-            verdict = f"every rank has started it; {self.label(waited_for)} did not send its part"
-        detail = f" ({detail})" if detail else ""
-        return _timeout_error(f"{head}: {verdict}{detail}", missing or [waited_for])
-
-    def probe(self, seq: int, wait: float) -> tuple[list[int], set[int]]:
-        """Ask every reachable peer how many collectives it has issued; return (the ranks
-        that have not issued collective ``seq``, those of them that did not answer within ``wait``)."""
-        with self._lock:
-            self._probe_seq += 1
-            token = self._probe_seq
-            self._probe_replies = {}
-        frame = pack_header(PROBE, 0, 0, 0, 0, token, 0)
-        asked = [p for p in self.peers if p is not None and p.closed is None and _send_control(p.links[0], frame, 0.5)]
-        deadline = time.monotonic() + wait
-        with self._probe_cv:
-            while len(self._probe_replies) < len(asked) and self._probe_seq == token:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._probe_cv.wait(left)
-            replies = dict(self._probe_replies) if self._probe_seq == token else {}
-        silent = {p.rank for p in self.peers if p is not None and p.rank not in replies}
-        missing = sorted(q for q in range(self.size) if q in silent or (q in replies and replies[q] < seq))
-        return missing, silent
-
-    def _on_probe(self, peer: _Peer, token: int) -> None:
-        _send_control(peer.links[0], pack_header(STATE, 0, 0, 0, self.issued, token, 0), 1.0)
-
-    def _on_state(self, peer: _Peer, token: int, issued: int) -> None:
-        with self._probe_cv:
-            if token == self._probe_seq:
-                self._probe_replies[peer.rank] = issued
-                self._probe_cv.notify_all()
-
-    def _mismatch(
-        self, pr: PostedRecv, peer: _Peer, op: int, redop: int, seq: int, dtype: int, nbytes: int, part: int
-    ) -> DistBackendError:
-        return DistBackendError(
-            f"tcp backend: {self.me} expected {describe(pr.op, pr.redop, pr.seq, pr.dtype, pr.nbytes, part=pr.tag)} "
-            f"from {peer.label} but got {describe(op, redop, seq, dtype, nbytes, part=part)} (the ranks called "
-            "different collectives, or with different sizes, dtypes or reduce ops)"
-        )
-
     # ------------------------------------------------------------------ p2p
     def post_p2p(
         self, src: Optional[int], tag: int, dtype: int, dest: memoryview, callback: Callable[[PostedRecv], None]
@@ -561,7 +420,7 @@ class Transport:
         with self._lock:
             if self.broken is not None:
                 raise self.broken
-            found: Optional[tuple[_Peer, _Stashed]] = None
+            found: Optional[tuple[Peer, Stashed]] = None
             if src is not None:
                 peer = self.peers[src]
                 assert peer is not None  # never this rank
@@ -605,113 +464,16 @@ class Transport:
                 return False
         return True
 
-    def _p2p_mismatch(self, pr: PostedRecv, peer: _Peer, dtype: int, nbytes: int, shape: tuple) -> DistBackendError:
-        src = "any source" if pr.src is None else f"src={pr.src}"
-        return DistBackendError(
-            f"tcp backend: {self.me} recv({src}, tag={pr.tag}) expects {dtype_name(pr.dtype)} x {pr.nbytes} bytes "
-            f"but {peer.label} sent {dtype_name(dtype)}{list(shape)} x {nbytes} bytes"
-        )
-
-    # --------------------------------------------------------------- readers
-    def _read_loop(self, peer: _Peer, link: _Link) -> None:
-        sock = link.sock
-        buf = bytearray(_READ_BUFFER)
-        mv = memoryview(buf)
-        start = end = 0
-        hsize = HEADER.size
-        unpack = HEADER.unpack_from
-        current: Any = None  # the receive or stash entry being filled
-        try:
-            while True:
-                if end - start < hsize:
-                    start, end = _fill(sock, buf, mv, start, end, hsize)
-                magic, kind, op, redop, dtype, ndim, tag, seq, nbytes = unpack(buf, start)
-                if magic != FRAME_MAGIC:
-                    raise _Corrupt(f"bad frame magic {magic:#x}")
-                hlen = hsize + 8 * ndim
-                if end - start < hlen:
-                    start, end = _fill(sock, buf, mv, start, end, hlen)
-                shape = struct.unpack_from(f"<{ndim}q", buf, start + hsize) if ndim else ()
-                start += hlen
-                if kind == COLL:
-                    target, current = self._on_coll(peer, link, op, redop, seq, dtype, nbytes, shape, tag)
-                elif kind == P2P:
-                    target, current = self._on_p2p(peer, tag, dtype, seq, nbytes, shape)
-                elif kind == PROBE:  # answered from this thread: a busy or blocked rank still answers
-                    if nbytes:
-                        raise _Corrupt(f"{nbytes}-byte probe")
-                    self._on_probe(peer, seq)
-                    target, current = None, None
-                elif kind == STATE:
-                    if nbytes:
-                        raise _Corrupt(f"{nbytes}-byte state frame")
-                    self._on_state(peer, seq, tag)
-                    target, current = None, None
-                elif kind == ABORT or kind == BYE:
-                    if nbytes > (1 << 20):
-                        raise _Corrupt(f"{nbytes}-byte control frame")
-                    target, current = memoryview(bytearray(nbytes)), None
-                else:
-                    raise _Corrupt(f"unknown frame kind {kind}")
-                if nbytes:
-                    # payload: first what the buffer holds, then straight from the socket
-                    take = min(end - start, nbytes)
-                    if target is not None:
-                        target[:take] = mv[start : start + take]
-                    start += take
-                    got = take
-                    while got < nbytes:
-                        if target is not None:  # one syscall for the rest of the payload
-                            n = sock.recv_into(target[got:], nbytes - got, _WAITALL)
-                        else:  # discard: the buffer is empty here, use it as scratch
-                            n = sock.recv_into(mv, min(len(buf), nbytes - got))
-                        if n == 0:
-                            raise _EOF()
-                        got += n
-                if start == end:
-                    start = end = 0
-                if current is not None:
-                    done, current = current, None
-                    if kind == P2P and isinstance(done, PostedRecv):
-                        done.source = peer.rank
-                    done.finish()
-                elif kind == ABORT:
-                    self.fail(self._abort_error(peer, bytes(target or b"")), notify=False)
-                elif kind == BYE:
-                    link.said_bye = True
-        except _EOF:
-            problem = None if link.said_bye else "it closed the connection without saying goodbye"
-        except _Corrupt as exc:
-            problem = f"it sent a corrupt frame ({exc})"
-        except OSError as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        except BaseException as exc:  # never let a reader die silently
-            problem = f"reader failed: {type(exc).__name__}: {exc}"
-        if self._closing:
-            err = DistBackendError(f"tcp backend: {self.me}'s process group was destroyed")
-        elif problem is None:
-            err = self._gone_error(
-                f"tcp backend: {peer.label} has shut down its process group; {self.me} cannot communicate with it",
-                peer,
-            )
-        else:
-            err = self._gone_error(
-                f"tcp backend: {self.me} lost its connection to {peer.label} ({problem}); that rank probably died",
-                peer,
-            )
-        if current is not None:
-            current.finish(err)
-        self._peer_gone(peer, err, crashed=problem is not None and not self._closing)
-
-    def _on_coll(
-        self, peer: _Peer, link: _Link, op: int, redop: int, seq: int, dtype: int, nbytes: int, shape: tuple, part: int
+    # ----------------------------------------------------- the links' readers
+    def on_coll(
+        self, peer: Peer, link: Link, op: int, redop: int, seq: int, dtype: int, nbytes: int, shape: tuple, part: int
     ) -> tuple[Optional[memoryview], Any]:
         with self._lock:
             if self.broken is not None:
                 return None, None
             if not link.coll_posted:
                 self._arrivals += 1
-                stashed = _Stashed(op, redop, seq, dtype, part, nbytes, shape, self._arrivals)
+                stashed = Stashed(op, redop, seq, dtype, part, nbytes, shape, self._arrivals)
                 link.coll_stash.append(stashed)
                 return memoryview(stashed.data), stashed
             pr = link.coll_posted.popleft()
@@ -729,8 +491,8 @@ class Transport:
             return None, None
         return pr.dest, pr
 
-    def _on_p2p(
-        self, peer: _Peer, tag: int, dtype: int, seq: int, nbytes: int, shape: tuple
+    def on_p2p(
+        self, peer: Peer, tag: int, dtype: int, seq: int, nbytes: int, shape: tuple
     ) -> tuple[Optional[memoryview], Any]:
         with self._lock:
             if self.broken is not None:
@@ -743,7 +505,7 @@ class Transport:
                     break
             if found is None:
                 self._arrivals += 1
-                stashed = _Stashed(0, 0, seq, dtype, tag, nbytes, shape, self._arrivals)
+                stashed = Stashed(0, 0, seq, dtype, tag, nbytes, shape, self._arrivals)
                 peer.p2p_stash.append(stashed)
                 return memoryview(stashed.data), stashed
         found.source = peer.rank
@@ -751,6 +513,25 @@ class Transport:
             found.finish(self._p2p_mismatch(found, peer, dtype, nbytes, shape))
             return None, None
         return found.dest, found
+
+    def link_lost(self, link: Link, current: Any, problem: Optional[str]) -> None:
+        """``link``'s reader ended (``problem``: why, None after the peer's BYE); called by the loop."""
+        peer = link.peer
+        if self._closing:
+            err = DistBackendError(f"tcp backend: {self.me}'s process group was destroyed")
+        elif problem is None:
+            err = self._gone_error(
+                f"tcp backend: {peer.label} has shut down its process group; {self.me} cannot communicate with it",
+                peer,
+            )
+        else:
+            err = self._gone_error(
+                f"tcp backend: {self.me} lost its connection to {peer.label} ({problem}); that rank probably died",
+                peer,
+            )
+        if current is not None:
+            current.finish(err)
+        self._peer_gone(peer, err, crashed=problem is not None and not self._closing)
 
     # ---------------------------------------------------------------- failure
     def add_break_callback(self, fn: Callable[[], None]) -> None:
@@ -800,34 +581,20 @@ class Transport:
             self._helpers.append(helper)
             helper.start()
 
-    def _abort_error(self, peer: _Peer, payload: bytes) -> DistBackendError:
-        """The error an ABORT frame from ``peer`` breaks this rank's group with: a
-        :class:`DistBackendTimeoutError` naming the missing ranks if the abort is a timeout's."""
-        try:
-            info = json.loads(payload.decode("utf-8", "replace"))
-            reason = str(info["reason"])
-            missing = [int(q) for q in info.get("missing", ()) if 0 <= int(q) < self.size]
-            timed_out = bool(info.get("timeout"))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            reason, missing, timed_out = payload.decode("utf-8", "replace"), [], False
-        reason, missing = clip_reason(reason), sorted(set(missing))  # a peer's words, not a megabyte of them
-        if timed_out:
-            err: DistBackendError = _timeout_error(
-                f"tcp backend: {peer.label} aborted {self.me}'s group after a timeout: {reason}", missing
-            )
-        else:
-            err = DistBackendError(f"tcp backend: {peer.label} aborted the group: {reason}")
-        err.failed_peer = self._global[peer.rank]  # its failure, or one it relays
-        err.abort_reason = reason  # type: ignore[attr-defined]
-        return err
-
     def _send_aborts(self, payload: bytes) -> None:
         frame = pack_header(ABORT, 0, 0, 0, 0, 0, len(payload)) + payload
         for peer in self.peers:
-            if peer is not None and peer.closed is None:
-                _send_control(peer.links[0], frame, 2.0)
+            if peer is not None and peer.closed is None and peer.links:
+                send_control(peer.links[0], frame, 2.0)
+        for peer in self.peers:  # then those never connected: they may wait for this rank too
+            if peer is not None and peer.closed is None and not peer.links and self.mesh is not None:
+                try:
+                    self.connect(peer, 1.0, broken_too=True)
+                except Exception:  # noqa: BLE001 - best effort: it times out by itself
+                    continue
+                send_control(peer.links[0], frame, 2.0)
 
-    def _peer_gone(self, peer: _Peer, err: DistBackendError, crashed: bool) -> None:
+    def _peer_gone(self, peer: Peer, err: DistBackendError, crashed: bool) -> None:
         with self._lock:
             if peer.closed is None:
                 peer.closed = str(err)
@@ -848,76 +615,53 @@ class Transport:
             self.fail(err)
 
     # ---------------------------------------------------------------- closing
+    def abort(self, wait: float = 5.0) -> None:
+        """Break the group and tell every peer (ABORT frames, connecting to those never
+        connected), waiting up to ``wait`` s for that before the caller closes."""
+        self.fail(DistBackendError(f"tcp backend: {self.me} aborted its process group"))
+        deadline = time.monotonic() + wait
+        for helper in list(self._helpers):
+            helper.join(max(0.0, deadline - time.monotonic()))
+
     def close(self, linger: float = 1.0) -> None:
-        """Say BYE to every peer, close the connections and stop the readers. Idempotent."""
+        """Say BYE to every connected peer, close the connections and the listener, and let
+        the I/O loop go of them. Idempotent."""
         if self._closing:
             return
         self._closing = True
         if self.broken is None:
             self.fail(DistBackendError(f"tcp backend: {self.me}'s process group was destroyed"), notify=False)
+        with self._lock:
+            links = [(peer, link) for peer in self.peers if peer is not None for link in peer.links]
         bye = pack_header(BYE, 0, 0, 0, 0, 0, 0)
-        links = [(peer, link) for peer in self.peers if peer is not None for link in peer.links]
         for peer, link in links:
             if peer.closed is None:
-                _send_control(link, bye, 1.0)
+                send_control(link, bye, 1.0)
             try:
                 link.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
         deadline = time.monotonic() + linger  # let the peers' BYEs arrive (avoids resets)
         for _peer, link in links:
-            if link.reader is not None:
-                link.reader.join(max(0.0, deadline - time.monotonic()))
+            link.ended.wait(max(0.0, deadline - time.monotonic()))
+        if self.mesh is not None:
+            self.mesh.close()
+        loop = io_loop()
+        destroyed = DistBackendError(f"tcp backend: {self.me}'s process group was destroyed")
         for _peer, link in links:
+            loop.unregister(link.sock)
+            link.abandon(destroyed)
             try:
                 link.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for _peer, link in links:
-            if link.reader is not None:
-                link.reader.join(2.0)
             link.sock.close()
         for helper in self._helpers:
             helper.join(3.0)
+        loop.settle()
 
     def threads(self) -> list[threading.Thread]:
-        readers = [link.reader for p in self.peers if p is not None for link in p.links]
-        return [t for t in readers if t is not None] + self._helpers
-
-
-def _send_control(link: _Link, frame: bytes, limit: float) -> bool:
-    """Best-effort send of a small control frame without blocking longer than ``limit``
-    (never changes the socket's blocking mode, which its reader relies on)."""
-    deadline = time.monotonic() + limit
-    if not link.send_lock.acquire(True, limit):
-        return False
-    try:
-        view = memoryview(frame)
-        while view:
-            try:
-                view = view[link.sock.send(view, socket.MSG_DONTWAIT) :]
-            except (BlockingIOError, InterruptedError):
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.005)
-        return True
-    except OSError:
-        return False
-    finally:
-        link.send_lock.release()
-
-
-def _fill(sock: socket.socket, buf: bytearray, mv: memoryview, start: int, end: int, need: int) -> tuple[int, int]:
-    """Read until ``buf[start:end]`` holds at least ``need`` bytes."""
-    if len(buf) - start < need:
-        kept = end - start
-        buf[:kept] = bytes(mv[start:end])
-        start, end = 0, kept
-    while end - start < need:
-        # read ahead a little (several small frames per syscall) but not far into a
-        # large payload, which goes straight to its destination instead
-        n = sock.recv_into(mv[end:], min(len(buf) - end, max(need - (end - start), _READ_AHEAD)))
-        if n == 0:
-            raise _EOF()
-        end += n
-    return start, end
+        """The threads serving this group: the I/O loop's while it reads its links, and helpers."""
+        loop = io_loop().thread()
+        serving = loop is not None and (self.mesh is not None or any(p.links for p in self.peers if p is not None))
+        return ([loop] if loop is not None and serving and not self._closing else []) + self._helpers

@@ -1,0 +1,393 @@
+"""A peer's links and the frame reader each link runs inside the I/O loop.
+
+A :class:`Link` is one connection (stream) to a peer. Its reader is a state machine that
+the process's I/O loop (:mod:`tdist_tcp.ioloop`) drives whenever the socket is readable:
+it reads the frame header (buffered, with a little read-ahead), asks its owner (the
+:class:`~tdist_tcp.transport.Transport`) where the payload goes -- the posted receive's
+own memory (zero copy), a fresh stash buffer, or nowhere -- and reads the payload there
+with non-blocking ``recv_into`` calls on the destination's memoryview slice, resuming where
+it stopped when the socket runs dry. It never blocks and reads at most
+:data:`READ_BUDGET` bytes per turn, so one busy link does not starve the others.
+
+Also here: :class:`PostedRecv` (a receive waiting for one frame), :class:`Stashed` (a
+frame that arrived first), :class:`Peer` (a rank's links and P2P stash) and the small
+helpers the transport's errors use.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import numpy as np
+from tdist.plugin import WOULD_BLOCK, DistBackendTimeoutError
+
+from .ioloop import AGAIN, DONE, WAIT
+from .wire import ABORT, BYE, COLL, FRAME_MAGIC, HEADER, OP_ACK, P2P, PROBE, STATE, part_name
+
+if TYPE_CHECKING:
+    from .transport import Transport
+
+__all__ = ["PostedRecv", "Stashed", "Link", "Peer", "FrameTimeout", "clip_reason", "timeout_error", "send_control"]
+
+_READ_BUFFER = 64 << 10  # a reader's buffered chunk (headers and small payloads)
+_READ_AHEAD = 8 << 10  # bytes a reader asks for beyond the header it needs
+READ_BUDGET = 4 << 20  # bytes a link reads per turn of the loop before the others get theirs
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+_BLOCKED = (BlockingIOError, InterruptedError) + tuple(WOULD_BLOCK)
+
+
+class PostedRecv:
+    """A receive waiting for one frame. Collective receives complete by releasing
+    ``done``; P2P receives call ``callback(self)`` instead."""
+
+    __slots__ = ("src", "dest", "nbytes", "op", "redop", "seq", "dtype", "tag", "done", "error", "source", "callback")
+
+    def __init__(
+        self,
+        src: Optional[int],
+        dest: memoryview,
+        op: int,
+        redop: int,
+        seq: int,
+        dtype: int,
+        tag: int = 0,
+        callback: Optional[Callable[["PostedRecv"], None]] = None,
+    ) -> None:
+        self.src = src
+        self.dest = dest
+        self.nbytes = len(dest)
+        self.op = op
+        self.redop = redop
+        self.seq = seq
+        self.dtype = dtype
+        self.tag = tag
+        self.error: Optional[BaseException] = None
+        self.source = -1 if src is None else src
+        self.callback = callback
+        self.done = threading.Lock()
+        self.done.acquire()
+
+    def finish(self, error: Optional[BaseException] = None) -> None:
+        """Complete the receive (called exactly once, by whoever took it off a list)."""
+        self.error = error
+        if self.callback is None:
+            self.done.release()
+            return
+        try:  # completes a Work, which runs its done-callbacks: never let them break the loop
+            self.callback(self)
+        except Exception:
+            pass
+
+
+class Stashed:
+    """A frame that arrived before its receive was posted. The receive that claims it
+    gets its data through :meth:`deliver_to` as soon as the frame is fully read, without
+    waiting for the rest of it to arrive (the link's reader delivers what is still coming)."""
+
+    __slots__ = (
+        "op",
+        "redop",
+        "seq",
+        "dtype",
+        "tag",
+        "nbytes",
+        "shape",
+        "data",
+        "error",
+        "arrival",
+        "_guard",
+        "_complete",
+        "_then",
+    )
+
+    def __init__(
+        self, op: int, redop: int, seq: int, dtype: int, tag: int, nbytes: int, shape: tuple, arrival: int
+    ) -> None:
+        self.op, self.redop, self.seq, self.dtype, self.tag = op, redop, seq, dtype, tag
+        self.nbytes = nbytes
+        self.shape = shape
+        self.data: Any = np.empty(nbytes, dtype=np.uint8)  # a buffer (numpy's stubs do not say so)
+        self.error: Optional[BaseException] = None
+        self.arrival = arrival
+        self._guard = threading.Lock()
+        self._complete = False
+        self._then: Optional[Callable[[Optional[BaseException]], None]] = None
+
+    def finish(self, error: Optional[BaseException] = None) -> None:
+        """The frame is fully read (or never will be: ``error``); called by its reader."""
+        with self._guard:
+            self.error = error
+            self._complete = True
+            then, self._then = self._then, None
+        if then is not None:
+            then(error)
+
+    def deliver_to(self, then: Callable[[Optional[BaseException]], None]) -> None:
+        """Call ``then(error)`` once the frame is complete: now if it is, else from the reader."""
+        with self._guard:
+            if not self._complete:
+                self._then = then
+                return
+        then(self.error)
+
+
+class _EOF(Exception):
+    pass
+
+
+class _Corrupt(Exception):
+    pass
+
+
+class Link:
+    """One connection (stream) to a peer: its socket, the collective frames it carries
+    (matched FIFO), and its reader's state between two turns of the I/O loop."""
+
+    __slots__ = (
+        "index",
+        "sock",
+        "peer",
+        "owner",
+        "send_lock",
+        "coll_posted",
+        "coll_stash",
+        "said_bye",
+        "ended",
+        "_buf",
+        "_mv",
+        "_start",
+        "_end",
+        "_payload",
+        "_kind",
+        "_target",
+        "_current",
+        "_got",
+        "_nbytes",
+        "_recv",
+    )
+
+    def __init__(self, index: int, sock: Any, peer: "Peer", owner: "Transport") -> None:
+        self.index = index
+        self.sock = sock
+        self.peer = peer
+        self.owner = owner
+        self.send_lock = threading.Lock()
+        self.coll_posted: deque[PostedRecv] = deque()
+        self.coll_stash: deque[Stashed] = deque()
+        self.said_bye = False
+        self.ended = threading.Event()  # its reader saw the end of the connection (or gave up on it)
+        self._buf = bytearray(_READ_BUFFER)
+        self._mv = memoryview(self._buf)
+        self._start = self._end = 0
+        self._payload = False  # reading a payload (else a header)
+        self._kind = 0
+        self._target: Optional[memoryview] = None  # where the payload goes (None: discarded)
+        self._current: Any = None  # the receive or stash entry being filled
+        self._got = self._nbytes = 0
+        nowait = getattr(sock, "recv_nowait", None)  # a TlsStream
+        self._recv: Callable[[Any, int], int] = nowait or (lambda view, n: sock.recv_into(view, n, _DONTWAIT))
+
+    # ---------------------------------------------------------------- reading
+    def on_readable(self) -> int:
+        """Read what the socket holds (see the module); called by the I/O loop only."""
+        try:
+            return self._pump()
+        except _BLOCKED:
+            return WAIT
+        except _EOF:
+            problem = None if self.said_bye else "it closed the connection without saying goodbye"
+        except _Corrupt as exc:
+            problem = f"it sent a corrupt frame ({exc})"
+        except OSError as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        except BaseException as exc:  # never let a reader die silently
+            problem = f"reader failed: {type(exc).__name__}: {exc}"
+        current, self._current = self._current, None
+        self.ended.set()
+        self.owner.link_lost(self, current, problem)
+        return DONE
+
+    def abandon(self, error: BaseException) -> None:
+        """Fail the frame being read (the loop no longer serves this link)."""
+        current, self._current = self._current, None
+        self.ended.set()
+        if current is not None:
+            current.finish(error)
+
+    def _fill(self, need: int) -> None:
+        """Read until the buffer holds ``need`` bytes from ``_start`` (raises when the socket is dry)."""
+        buf, mv = self._buf, self._mv
+        if len(buf) - self._start < need:
+            kept = self._end - self._start
+            buf[:kept] = bytes(mv[self._start : self._end])
+            self._start, self._end = 0, kept
+        while self._end - self._start < need:
+            # read ahead a little (several small frames per call) but not far into a large
+            # payload, which goes straight to its destination instead
+            want = min(len(buf) - self._end, max(need - (self._end - self._start), _READ_AHEAD))
+            n = self._recv(mv[self._end :], want)
+            if n == 0:
+                raise _EOF()
+            self._end += n
+
+    def _pump(self) -> int:
+        owner, peer, recv, mv = self.owner, self.peer, self._recv, self._mv
+        hsize = HEADER.size
+        budget = READ_BUDGET
+        while True:
+            if not self._payload:
+                if self._end - self._start < hsize:
+                    self._fill(hsize)
+                magic, kind, op, redop, dtype, ndim, tag, seq, nbytes = HEADER.unpack_from(self._buf, self._start)
+                if magic != FRAME_MAGIC:
+                    raise _Corrupt(f"bad frame magic {magic:#x}")
+                hlen = hsize + 8 * ndim
+                if self._end - self._start < hlen:
+                    self._fill(hlen)
+                shape = struct.unpack_from(f"<{ndim}q", self._buf, self._start + hsize) if ndim else ()
+                self._start += hlen
+                target: Optional[memoryview]
+                if kind == COLL:
+                    target, self._current = owner.on_coll(peer, self, op, redop, seq, dtype, nbytes, shape, tag)
+                elif kind == P2P:
+                    target, self._current = owner.on_p2p(peer, tag, dtype, seq, nbytes, shape)
+                elif kind == PROBE or kind == STATE:  # answered from the loop: a busy rank still answers
+                    if nbytes:
+                        raise _Corrupt(f"{nbytes}-byte {'probe' if kind == PROBE else 'state frame'}")
+                    if kind == PROBE:
+                        owner.on_probe(peer, seq)
+                    else:
+                        owner.on_state(peer, seq, tag)
+                    target = None
+                elif kind == ABORT or kind == BYE:
+                    if nbytes > (1 << 20):
+                        raise _Corrupt(f"{nbytes}-byte control frame")
+                    target = memoryview(bytearray(nbytes))
+                else:
+                    raise _Corrupt(f"unknown frame kind {kind}")
+                # the payload: first what the buffer holds, then straight from the socket
+                take = min(self._end - self._start, nbytes)
+                if take and target is not None:
+                    target[:take] = mv[self._start : self._start + take]
+                self._start += take
+                self._kind, self._target, self._got, self._nbytes = kind, target, take, nbytes
+                self._payload = True
+            nbytes, target = self._nbytes, self._target
+            while self._got < nbytes:
+                if target is not None:
+                    n = recv(target[self._got :], nbytes - self._got)
+                else:  # discard: the buffer is empty here, use it as scratch
+                    n = recv(mv, min(len(mv), nbytes - self._got))
+                if n == 0:
+                    raise _EOF()
+                self._got += n
+                budget -= n
+                if budget <= 0 and self._got < nbytes:
+                    return AGAIN
+            self._payload = False
+            if self._start == self._end:
+                self._start = self._end = 0
+            kind, current = self._kind, self._current
+            self._current = self._target = None
+            if current is not None:
+                if kind == P2P and isinstance(current, PostedRecv):
+                    current.source = peer.rank
+                current.finish()
+            elif kind == ABORT:
+                owner.fail(owner.abort_error(peer, bytes(target or b"")), notify=False)
+            elif kind == BYE:
+                self.said_bye = True
+            if budget <= 0:
+                return AGAIN
+
+
+class Peer:
+    """Another rank: its links (none until connected; stream 0 carries P2P, acknowledgement
+    and control frames; a collective's segment ``k`` travels on link ``k % len(links)``),
+    its P2P stash and the state of its connection."""
+
+    __slots__ = ("rank", "links", "p2p_stash", "closed", "failed", "label", "connecting", "incoming", "expect")
+
+    def __init__(self, rank: int, label: str) -> None:
+        self.rank = rank
+        self.label = label
+        self.links: list[Link] = []
+        self.p2p_stash: list[Stashed] = []
+        self.closed: Optional[str] = None  # why this peer can no longer be reached
+        self.failed: Optional[int] = None  # its global rank once it is gone (died, shut down)
+        self.connecting = False  # this rank is opening the connection
+        self.incoming = False  # the peer is opening it (its first stream was accepted)
+        self.expect = 0.0  # the peer said it is connecting (until this monotonic time)
+
+    def link_of(self, part: int) -> Link:
+        """The link that carries collective frame ``part`` (step << 32 | segment)."""
+        links = self.links
+        return links[(part & 0xFFFFFFFF) % len(links)] if len(links) > 1 else links[0]
+
+    @property
+    def said_bye(self) -> bool:
+        return any(link.said_bye for link in self.links)
+
+    def take_posted(self) -> list[PostedRecv]:
+        """Withdraw every collective receive posted on this peer's links (caller holds the transport's lock)."""
+        taken: list[PostedRecv] = []
+        for link in self.links:
+            taken.extend(link.coll_posted)
+            link.coll_posted.clear()
+        return taken
+
+
+class FrameTimeout(Exception):
+    """A collective's frame from ``peer`` did not arrive (entirely) before the deadline;
+    the collective turns it into :meth:`Transport.collective_timeout`'s error."""
+
+    def __init__(self, peer: int, op: int, nbytes: int, part: int) -> None:
+        what = "acknowledgement" if op == OP_ACK else f"{nbytes}-byte frame"
+        self.frame = f"its {what}" + (f" ({part_name(part)})" if part else "")
+        super().__init__(self.frame)
+        self.peer = peer
+
+
+#: How much of a peer's ABORT reason goes into this rank's error (the frame may hold 1 MiB).
+ABORT_REASON_CHARS = 1024
+
+
+def clip_reason(reason: str, limit: int = ABORT_REASON_CHARS) -> str:
+    """``reason`` cut to ``limit`` characters, saying how many bytes were left out."""
+    if len(reason) <= limit:
+        return reason
+    omitted = len(reason[limit:].encode("utf-8", "replace"))
+    return f"{reason[:limit]}… ({omitted} bytes omitted)"
+
+
+def timeout_error(message: str, missing: Sequence[int]) -> DistBackendTimeoutError:
+    """A timeout error naming the ``missing`` ranks (carried by the ABORT frames)."""
+    err = DistBackendTimeoutError(message)
+    err.missing_ranks = list(missing)  # type: ignore[attr-defined]
+    return err
+
+
+def send_control(link: Link, frame: bytes, limit: float) -> bool:
+    """Best-effort send of a small control frame without blocking longer than ``limit``."""
+    deadline = time.monotonic() + limit
+    if not link.send_lock.acquire(True, limit):
+        return False
+    try:
+        view = memoryview(frame)
+        while view:
+            try:
+                view = view[link.sock.send(view, _DONTWAIT) :]
+            except _BLOCKED:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.005)
+        return True
+    except OSError:
+        return False
+    finally:
+        link.send_lock.release()
