@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from tdist_autoload._shared import BRIDGE_ENV, bridge_disabled
+
 from ._backend import ANY_SOURCE_OP, OPERATIONS, BackendSpec
 from ._plugins import Plugins, plugins
 
@@ -38,8 +40,6 @@ def torch_text() -> str:
         from ._torch.features import features
     except ImportError as exc:  # tdist without torch
         return "\n".join([*lines, f"torch found: none ({exc})"])
-    from tdist_autoload import BRIDGE_ENV, bridge_disabled
-
     found = features()
     lines.append(f"torch found: {found.describe()}")
     if bridge_disabled():

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import pluggy
-from tdist_autoload import PREFIX as _TORCH_PREFIX  # "tdist-": the name torch and pip know a backend by
+from tdist_autoload._shared import PREFIX as _TORCH_PREFIX  # "tdist-": the name torch and pip know a backend by
 
 from . import hookspecs
 from ._backend import BackendSpec

@@ -3,8 +3,8 @@
 After ``tdist.init_process_group`` torch.distributed's default group is tdist's default
 group (served by the same backend instance), ``tdist.new_group`` groups are torch groups,
 and ``torch.distributed.init_process_group("tdist-<name>")`` builds tdist groups. The
-modules under this package import torch; this one does not, so the core calls it
-unconditionally:
+modules under this package import torch; this one does not, so ``import tdist`` installs
+it unconditionally:
 
 * :mod:`.process_group` -- ``TorchProcessGroup``, a tdist group as a torch ProcessGroup;
 * :mod:`.work` -- ``BridgeWork``, a tdist Work as a torch Work;
@@ -14,6 +14,11 @@ unconditionally:
 
 The bridge is on unless ``init_process_group(..., torch_bridge=False)`` or
 ``TDIST_TORCH_BRIDGE=0``.
+
+The core does not import this package: it reports its groups to :mod:`tdist._bridge`,
+and ``import tdist`` installs this package's :class:`TorchBridge` there (:func:`install`).
+The modules here import the core, never the other way round; what they share with
+:mod:`tdist_autoload` is in :mod:`tdist_autoload._shared`.
 """
 
 from __future__ import annotations
@@ -21,14 +26,21 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import ModuleType
 from typing import Any, Optional, Sequence
 
-from tdist_autoload import BRIDGE_ENV, PREFIX, bridge_disabled, register
+from tdist_autoload._shared import BRIDGE_ENV, PREFIX, register_entry_points
 
+from .. import _bridge
+from .._bridge import wanted
+from .._errors import DistError
+from .._groups import STATE, ProcessGroup
 from .._version import TORCH_REQUIREMENT
 
 __all__ = [
     "wanted",
+    "install",
+    "TorchBridge",
     "torch_is_free",
     "mirror_world",
     "mirror_new_group",
@@ -43,17 +55,20 @@ _warned_left_alone = False
 _warned_unattached = False
 
 
+def install(public: ModuleType) -> None:
+    """At the end of ``import tdist`` (``public`` is the ``tdist`` package): the core's
+    groups are reported to the bridge from now on, and torch knows ``tdist-<name>``
+    (:func:`register_with_torch`)."""
+    _bridge.install(TorchBridge(), public)  # TorchBridge: at the end of the module, after its functions
+    register_with_torch()
+
+
 def register_with_torch() -> None:
     """At ``import tdist``: register ``tdist-<name>`` with torch.distributed when torch is
     already imported and its extension autoloading (which does this at ``import torch``)
     was off. Costs nothing otherwise."""
     if "torch.distributed" in sys.modules and os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "1":
-        register()
-
-
-def wanted(flag: Optional[bool]) -> bool:
-    """Whether to bridge: the ``torch_bridge`` keyword when given, else ``TDIST_TORCH_BRIDGE``."""
-    return bool(flag) if flag is not None else not bridge_disabled()
+        register_entry_points(create_torch_group)
 
 
 def _torch_dist() -> Any:
@@ -88,7 +103,7 @@ def torch_is_free(rank: int, world_size: int) -> bool:
     return False
 
 
-def mirror_world(world: Any) -> None:
+def mirror_world(world: ProcessGroup) -> None:
     """Make torch.distributed's default group ``world``'s mirror. Fails safe: where the bridge
     cannot attach to the installed torch (a release it does not know), tdist's group stays
     tdist's only, with one warning that says so; never an error from inside torch."""
@@ -127,7 +142,7 @@ def _warn_unattached(why: str) -> None:
     )
 
 
-def _undo_mirror(world: Any) -> None:
+def _undo_mirror(world: ProcessGroup) -> None:
     """After torch failed to take ``world``: forget the half-made mirror without destroying ``world``."""
     mirror, world.torch_group = world.torch_group, None
     if mirror is not None:
@@ -144,7 +159,6 @@ def create_torch_group(name: str, options: Any, pg_options: Any) -> Any:
     """What torch's creator for ``tdist-<name>`` returns (:func:`.registry.create_torch_group`),
     or a :class:`~tdist.DistError` naming the supported torch range where the bridge cannot
     attach to this torch."""
-    from .._errors import DistError
     from .features import unattachable
 
     why = unattachable()
@@ -161,7 +175,11 @@ def create_torch_group(name: str, options: Any, pg_options: Any) -> Any:
 
 
 def mirror_new_group(
-    pg: Any, members: Sequence[int], devices: dict[str, str], group_desc: Optional[str], local: bool = False
+    pg: Optional[ProcessGroup],
+    members: Sequence[int],
+    devices: dict[str, str],
+    group_desc: Optional[str],
+    local: bool = False,
 ) -> None:
     """Mirror a group ``tdist.new_group`` made (``pg`` None on non-members) when the world
     is mirrored; ``local``: only its members made it (``use_local_synchronization``)."""
@@ -172,7 +190,7 @@ def mirror_new_group(
         mirror(pg, members, devices, group_desc, local)
 
 
-def forget(pg: Any) -> None:
+def forget(pg: ProcessGroup) -> None:
     """tdist destroyed ``pg``: drop its torch mirror."""
     if pg.torch_group is not None:
         from .mirror import forget as drop
@@ -180,7 +198,7 @@ def forget(pg: Any) -> None:
         drop(pg)
 
 
-def forget_all(groups: Sequence[Any]) -> None:
+def forget_all(groups: Sequence[ProcessGroup]) -> None:
     """tdist destroyed every group: drop torch's world if it is tdist's."""
     if any(pg.torch_group is not None for pg in groups):
         from .mirror import forget_all as drop
@@ -189,6 +207,14 @@ def forget_all(groups: Sequence[Any]) -> None:
 
 
 def _world_mirrored() -> bool:
-    from .._groups import STATE
-
     return STATE.world is not None and STATE.world.torch_group is not None
+
+
+class TorchBridge(_bridge.Bridge):
+    """The core's reports (:class:`tdist._bridge.Bridge`) go to this module's functions."""
+
+    torch_is_free = staticmethod(torch_is_free)
+    mirror_world = staticmethod(mirror_world)
+    mirror_new_group = staticmethod(mirror_new_group)
+    forget = staticmethod(forget)
+    forget_all = staticmethod(forget_all)

@@ -30,7 +30,11 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from .._bridge import public_api
+from .._groups import tdist_side
 from .features import features
+from .process_group import TorchProcessGroup
+from .work import BridgeWork
 
 __all__ = ["TRACEABLE", "prepare", "run_eagerly"]
 
@@ -105,12 +109,7 @@ def prepare() -> None:
     global _failed
     if _failed or not features().dynamo_skip:
         return
-    import tdist
-
-    from .._groups import tdist_side
-    from .process_group import TorchProcessGroup
-    from .work import BridgeWork
-
+    tdist = public_api()  # the package's namespace, which ``import tdist`` gave the bridge
     public = [vars(tdist)[name] for name in tdist.__all__ if name in vars(tdist) and name not in TRACEABLE]
     functions = [obj for obj in public if inspect.isfunction(obj) and obj.__module__.startswith("tdist")]
     try:

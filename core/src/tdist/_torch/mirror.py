@@ -24,7 +24,7 @@ from .._store.torch_adapters import as_torch_store
 from .features import features
 from .registry import adopting, is_mirrored, register_torch_backends, torch_backend_string
 
-__all__ = ["mirror_world", "mirror_new_group", "forget", "forget_all", "destroy_from_torch", "unbridgeable"]
+__all__ = ["mirror_world", "mirror_new_group", "forget", "forget_all", "unbridgeable"]
 
 
 def unbridgeable(devices: dict[str, str]) -> Optional[str]:
@@ -134,15 +134,3 @@ def forget_all(groups: Sequence[ProcessGroup]) -> None:
         m.closing = True
     if destroy_torch:
         torch_dist.destroy_process_group()
-
-
-def destroy_from_torch(pg: ProcessGroup) -> None:
-    """torch.distributed destroyed ``pg``'s mirror: destroy the tdist group."""
-    from .._init import destroy_process_group
-
-    if pg is STATE.world:
-        destroy_process_group()
-    elif pg in STATE.groups:
-        destroy_process_group(pg)
-    else:
-        pg.shutdown()  # a group torch made while tdist's default group was not torch's

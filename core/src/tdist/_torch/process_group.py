@@ -27,8 +27,10 @@ import torch.distributed as torch_dist
 
 from .._backend import Backend
 from .._coalesced import _pieces
+from .._collectives import monitored_barrier
 from .._dispatch import StagedWork, contiguous_view, issue
-from .._groups import ProcessGroup
+from .._groups import STATE, ProcessGroup
+from .._init import destroy_process_group, set_timeout
 from .._reduce_op import ReduceOp, Reduction, make_premul_sum
 from .._validate import (
     check_all_to_all_splits,
@@ -130,6 +132,16 @@ def _timeout(opts: Any) -> Optional[timedelta]:
     return timeout if timeout is not None and timeout > timedelta(0) else None
 
 
+def _destroy_from_torch(pg: ProcessGroup) -> None:
+    """torch.distributed destroyed ``pg``'s mirror: destroy the tdist group."""
+    if pg is STATE.world:
+        destroy_process_group()
+    elif pg in STATE.groups:
+        destroy_process_group(pg)
+    else:
+        pg.shutdown()  # a group torch made while tdist's default group was not torch's
+
+
 class TorchProcessGroup(torch_dist.ProcessGroup):
     """torch.distributed's view of the tdist group ``group``; ``backend_name`` is what
     torch reports (``tdist-tcp``)."""
@@ -218,8 +230,6 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         return self.tdist_group.backend_name
 
     def set_timeout(self, timeout: timedelta) -> None:
-        from .._init import set_timeout
-
         set_timeout(timeout, self.tdist_group)
 
     # ------------------------------------------------------------- plumbing
@@ -532,8 +542,6 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         return self._bridge(work, [])
 
     def monitored_barrier(self, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False) -> None:
-        from .._collectives import monitored_barrier
-
         monitored_barrier(self, timeout, wait_all_ranks)
 
     # ------------------------------------------------------------- point-to-point
@@ -574,11 +582,13 @@ class TorchProcessGroup(torch_dist.ProcessGroup):
         if self.closing:
             return
         self.closing = True
-        from .mirror import destroy_from_torch
-
-        destroy_from_torch(self.tdist_group)
+        _destroy_from_torch(self.tdist_group)
 
     def abort(self) -> None:
+        """torch's ``ProcessGroup.abort()``: the tdist group's :meth:`~tdist.ProcessGroup.abort`
+        (pending operations fail here and, through the backend, on the peers), then destroy it."""
+        if not self.closing:
+            self.tdist_group.abort()
         self.shutdown()
 
     # torch 2.x's older spellings of the same operations.

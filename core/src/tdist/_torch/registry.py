@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch.distributed as torch_dist
 
-from tdist_autoload import TdistCreator, torch_backend_name
+from tdist_autoload._shared import Creator, torch_backend_name
 
 from .._errors import DistError
 from .._groups import STATE, ProcessGroup
@@ -38,11 +38,12 @@ _adopting: Optional[ProcessGroup] = None
 
 def register_torch_backends(names: Optional[Iterable[str]] = None) -> None:
     """Register ``tdist-<name>`` with torch.distributed, with the devices its spec declares,
-    for the backends ``names`` (default: every installed one; naming them probes no other)."""
+    for the backends ``names`` (default: every installed one; naming them probes no other);
+    torch's creator calls :func:`create_torch_group` directly."""
     registry = plugins().backends
     specs = registry.specs() if names is None else [s for s in map(registry.get, names) if s is not None]
     for spec in specs:
-        register_backend(torch_backend_name(spec.name), TdistCreator(spec.name), list(spec.devices))
+        register_backend(torch_backend_name(spec.name), Creator(spec.name, create_torch_group), list(spec.devices))
 
 
 def torch_backend_string(devices: dict[str, str]) -> str:
