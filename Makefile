@@ -27,6 +27,8 @@ $(STAMP): Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES)) plug
 	$(PIP) install -q -c constraints.txt cupy-cuda12x nvidia-nccl-cu12
 	# tests/clients: frameworks that pick the backend themselves (pytorch-lightning ships lightning_fabric too).
 	$(PIP) install -q -c constraints.txt pytorch-lightning transformers accelerate
+	# tests/test_torchft.py and `python -m tdist.bench --torchft`: torchft, whose process group tdist.integrations.torchft serves.
+	$(PIP) install -q -c constraints.txt torchft
 	$(PIP) install -q --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	touch $(STAMP)
 

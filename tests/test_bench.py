@@ -134,6 +134,18 @@ def test_ddp_mode(tmp_path):
     assert all(r["world"] == 2 and r["step_s"] > 0 for r in rows)
 
 
+@pytest.mark.slow
+def test_recovery_mode(tmp_path):
+    """``--recovery``: the shrink rows (tcp, gloo) and the restart row, each with a time."""
+    out = tmp_path / "recovery.json"
+    proc = _run(["--recovery", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tdistrun --max-restarts 1" in proc.stdout, proc.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["way"], r["backend"]) for r in rows] == [("shrink", "tcp"), ("shrink", "gloo"), ("restart", "tcp")]
+    assert all(r["recover_s"] > 0 for r in rows) and all(r["detect_s"] > 0 for r in rows[:2]), rows
+
+
 def test_store_mode(tmp_path):
     out = tmp_path / "store.json"
     proc = _run(
@@ -145,19 +157,29 @@ def test_store_mode(tmp_path):
             "50",
             "--store-keys",
             "10",
+            "--store-load-clients",
+            "6",
+            "--store-load-procs",
+            "2",
+            "--store-load-rounds",
+            "2",
             "--repeats",
             "1",
             "--json",
             str(out),
         ],
         tmp_path,
-        timeout=200,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "multi_get of 10 keys" in proc.stdout and "2 clients x 50 add" in proc.stdout
+    assert "load: 6 clients connected at once from 2 processes" in proc.stdout and "get p99" in proc.stdout
     result = json.loads(out.read_text())["results"][0]
+    assert result["load_clients"] == 6
     for kind in ("tdist", "torch"):
         assert result[kind]["multi_get_s"] > 0 and result[kind]["adds_per_s"] > 0
+        for name in ("connect_s", "set_p50_s", "set_p99_s", "get_p50_s", "get_p99_s"):
+            assert result[kind]["load_" + name] > 0, (kind, name)
 
 
 def test_plot(tmp_path):

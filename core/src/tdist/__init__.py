@@ -8,6 +8,8 @@ needs them; importing tdist loads no backend and none of their dependencies.
 
 from __future__ import annotations
 
+import sys as _sys
+
 from ._backend import ANY_SOURCE_OP, OPERATIONS, Backend, BackendSpec
 from ._collectives import (
     all_gather,
@@ -29,7 +31,7 @@ from ._collectives import (
     scatter,
 )
 from ._coalesced import all_gather_coalesced, all_reduce_coalesced
-from ._environment import get_node_local_rank, is_torchelastic_launched
+from ._environment import get_node_local_rank, is_torchelastic_launched, replaced_rank
 from ._errors import (
     DistBackendError,
     DistBackendTimeoutError,
@@ -39,6 +41,7 @@ from ._errors import (
     DistStoreError,
     DistStoreTimeoutError,
 )
+from ._failure import DistRankFailureError, DistRankFailureTimeoutError
 from ._groups import (
     GroupMember,
     ProcessGroup,
@@ -94,16 +97,18 @@ from ._store import (
 )
 from ._store.tls import TlsConfig, TlsError
 from ._subgroups import new_subgroups, new_subgroups_by_enumeration, split_group
-from ._shrink import SHRINK_ABORT, SHRINK_DEFAULT, shrink_group
+from ._shrink import SHRINK_ABORT, SHRINK_DEFAULT, failed_ranks, shrink_group
+from ._grow import grow_group, join_process_group
 from ._work import Work
 from ._torch_names import _coalescing_manager as _coalescing_manager, breakpoint, from_torch as _from_torch
 from .hookspecs import HOOKSPEC_VERSION, hookimpl
-from ._torch import register_with_torch as _register_with_torch
+from ._torch import install as _install_torch_bridge
 from ._errorfile import install as _install_error_file
 
 from ._version import __version__ as __version__
 
-_register_with_torch()  # torch.distributed.init_process_group("tdist-tcp") works after `import tdist`
+# tdist's groups are reported to the bridge, and torch.distributed.init_process_group("tdist-tcp") works
+_install_torch_bridge(_sys.modules[__name__])
 _install_error_file()  # under tdistrun: an uncaught exception leaves the launcher a record (TDIST_ERROR_FILE)
 
 #: torch.distributed's private spelling of :func:`make_premul_sum`.
@@ -159,6 +164,9 @@ __all__ = [
     "new_subgroups_by_enumeration",
     "split_group",
     "shrink_group",
+    "failed_ranks",
+    "grow_group",
+    "join_process_group",
     "SHRINK_DEFAULT",
     "SHRINK_ABORT",
     "get_pg_count",
@@ -166,6 +174,7 @@ __all__ = [
     "get_backend_impl",
     "get_node_local_rank",
     "is_torchelastic_launched",
+    "replaced_rank",
     # point-to-point
     "send",
     "recv",
@@ -234,6 +243,8 @@ __all__ = [
     "DistBackendTimeoutError",
     "DistStoreTimeoutError",
     "DistStateError",
+    "DistRankFailureError",
+    "DistRankFailureTimeoutError",
     # plugin contract
     "Backend",
     "BackendSpec",

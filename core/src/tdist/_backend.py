@@ -78,6 +78,7 @@ FEATURES: tuple[str, ...] = (
     "peer_failure",
     "timeout_names_ranks",
     "shrink_group",
+    "abort",
 )
 
 #: How the conformance kit starts a world of a backend (:attr:`BackendSpec.launcher`):
@@ -422,6 +423,12 @@ class Backend(abc.ABC):
         The default records it in ``self.timeout``; a backend that keeps its own copies of
         the timeout overrides it (and calls this one)."""
         self.timeout = timeout
+
+    def abort(self) -> None:
+        """``group.abort()``: fail this rank's pending operations now and, where the backend
+        can, its peers' (a backend declares ``abort`` unsupported where it cannot), then
+        release everything as :meth:`shutdown` does. The default is :meth:`shutdown`."""
+        self.shutdown()
 
     def shutdown(self) -> None:
         """Release connections and threads. Called once by ``destroy_process_group``."""

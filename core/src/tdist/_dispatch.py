@@ -7,7 +7,8 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ._backend import Backend
-from ._errors import DistBackendTimeoutError, DistError
+from ._errors import DistBackendError, DistBackendTimeoutError, DistError
+from ._failure import known_failure, rank_failure
 from ._groups import ProcessGroup
 from ._mismatch import check_collective
 from ._observe import completed, describe, failed, issued, watch
@@ -141,11 +142,15 @@ def issue(
     p2p = operation in POINT_TO_POINT
     if pg.check_collectives and not p2p:
         check_collective(pg, backend, operation, device, tensors, reduction, root)
+    if pg.agreement is not None:  # a failure was agreed on: raise it, nothing goes out
+        failure = known_failure(pg)
+        if failure is not None:
+            raise failure
     seq = pg.next_p2p_seq() if p2p else pg.next_seq()
     if not plugins().observes_work:
         if async_op:
             return _start(pg, operation, call, backend, copies)
-        backend.run_blocking(call, None if wait_timeout is None else seconds(wait_timeout))
+        _run_blocking(pg, operation, backend, call, wait_timeout)
         if copies:
             _copy_back(copies)
         return None
@@ -156,13 +161,27 @@ def issue(
             work = _start(pg, operation, call, backend, copies)
             watch(work, info)
             return work
-        backend.run_blocking(call, None if wait_timeout is None else seconds(wait_timeout))
+        _run_blocking(pg, operation, backend, call, wait_timeout)
         _copy_back(copies)
     except Exception as error:  # raised while issuing, failed, or a blocking wait that timed out
         failed(info, error)
         raise
     completed(info)
     return None
+
+
+def _run_blocking(
+    pg: ProcessGroup, operation: str, backend: Backend, call: Callable[[Backend], Work], wait_timeout: Timeout
+) -> None:
+    """Run a blocking operation; a failure caused by other ranks becomes the members' agreed
+    :class:`~tdist._failure.DistRankFailureError` (a caller's own ``wait_timeout`` does not)."""
+    try:
+        backend.run_blocking(call, None if wait_timeout is None else seconds(wait_timeout))
+    except DistBackendError as exc:
+        error = exc if wait_timeout is not None else rank_failure(pg, exc, operation)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 def _copy_back(copies: Sequence[tuple["torch.Tensor", "torch.Tensor"]]) -> None:
@@ -184,4 +203,5 @@ def _start(
         raise DistError(f"{operation}: backend {pg.backend_name!r} returned {type(work).__name__}, not a tdist.Work")
     if copies:
         work = StagedWork(work, list(copies))
+    work.group = pg
     return work

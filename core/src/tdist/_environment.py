@@ -1,12 +1,23 @@
 """What the launcher told this process through its environment: ``get_node_local_rank``
-and ``is_torchelastic_launched``, as torch.distributed has them."""
+and ``is_torchelastic_launched``, as torch.distributed has them, and tdist's
+``replaced_rank`` (tdistrun ``--replace-failed``)."""
 
 from __future__ import annotations
 
 import os
 from typing import Optional
 
-__all__ = ["get_node_local_rank", "is_torchelastic_launched", "LOCAL_RANK_VARIABLES"]
+__all__ = [
+    "get_node_local_rank",
+    "is_torchelastic_launched",
+    "replaced_rank",
+    "LOCAL_RANK_VARIABLES",
+    "REPLACEMENT_ENV",
+]
+
+#: Set by tdistrun (``--replace-failed``) in a worker it started in place of a failed one:
+#: the failed worker's global rank.
+REPLACEMENT_ENV = "TDIST_REPLACEMENT"
 
 #: Where launchers put the rank of a process among those on its node, in order of
 #: preference: tdistrun/torchrun, Open MPI's mpirun, MPICH/Intel MPI, Slurm's srun
@@ -37,3 +48,14 @@ def get_node_local_rank(fallback_rank: Optional[int] = None) -> int:
 def is_torchelastic_launched() -> bool:
     """Whether torchelastic (``torchrun``) started this process (TORCHELASTIC_RUN_ID is set)."""
     return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+def replaced_rank() -> Optional[int]:
+    """The global rank of the failed worker this process replaces, when tdistrun started
+    it as a replacement (``--replace-failed``): it then joins the running job with
+    :func:`tdist.join_process_group` instead of ``init_process_group``. Else None."""
+    value = os.environ.get(REPLACEMENT_ENV, "")
+    try:
+        return int(value) if value else None
+    except ValueError:
+        raise ValueError(f"replaced_rank: {REPLACEMENT_ENV}={value!r} is not an integer") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ._failure import rank_failure
 from ._work import Work
 
 __all__ = ["future_of"]
@@ -19,7 +20,9 @@ def future_of(work: Work, outputs: Callable[[], list[Any]]) -> Any:
     DDP's built-in all-reduce hook -- take it for a result and crash), while an error
     raised in a ``then`` callback fails the future in C++. So the future returned is
     such a callback's; its error is a RuntimeError naming the Work's error (as with
-    torch's own backends, whose futures fail with RuntimeErrors)."""
+    torch's own backends, whose futures fail with RuntimeErrors). A failure caused by
+    other ranks is agreed on first (:func:`tdist._failure.rank_failure`), so that
+    :func:`tdist.failed_ranks` knows the verdict when torch's DDP raises."""
     import torch
 
     signal: Any = torch.futures.Future()
@@ -27,7 +30,7 @@ def future_of(work: Work, outputs: Callable[[], list[Any]]) -> Any:
     def _result(_: Any) -> list[Any]:
         error = work.exception()
         if error is not None:
-            raise error
+            raise error if work.group is None else rank_failure(work.group, error, work.op)
         return outputs()
 
     future = signal.then(_result)

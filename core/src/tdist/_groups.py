@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ._backend import Backend, BackendSpec
 from ._errors import DistError, DistStateError
+from ._failure import mark_aborting
 from ._mismatch import checks_collectives
 
 if TYPE_CHECKING:
@@ -75,6 +76,9 @@ class ProcessGroup:
         #: compare every collective across ranks before issuing it (see :mod:`tdist._mismatch`)
         self.check_collectives = checks_collectives(list(backends.values()))
         self._served: dict[tuple[str, str], Backend] = {}  # (device, operation) -> backend, once checked
+        #: the members' agreement on failed ranks, once one ran (see :mod:`tdist._failure`)
+        self.agreement: Any = None
+        self.closed = False  # shut down or aborted
 
     @property
     def handle(self) -> Any:
@@ -130,8 +134,24 @@ class ProcessGroup:
         return list({id(b): b for b in self.backends.values()}.values())
 
     def shutdown(self) -> None:
+        """Release the backends (once: after :meth:`abort`, nothing is left to release)."""
+        if self.closed:
+            return
+        self.closed = True
         for backend in self.distinct_backends():
             backend.shutdown()
+
+    def abort(self) -> None:
+        """Fail every pending operation of this rank on the group now and, where the backend
+        can (its ``abort`` feature), the peers' pending operations on it; the peers learn
+        that this rank left on purpose, not that it failed. The group is then unusable:
+        destroy it or shrink it."""
+        if self.closed:
+            return
+        self.closed = True
+        mark_aborting(self)
+        for backend in self.distinct_backends():
+            backend.abort()
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} ranks={self.ranks} backend={self.backend_name!r}>"

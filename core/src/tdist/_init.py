@@ -7,9 +7,10 @@ import urllib.parse
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
-from . import _torch as bridging
+from . import _bridge as bridging
 from ._backend import Backend, BackendSpec
 from ._errors import DistError, DistStateError, NotInitializedAssertion
+from ._failure import publish_process
 from ._groups import STATE, GroupMember, ProcessGroup, resolve_group
 from ._join import enter_incarnation, join
 from ._plugins import plugins
@@ -208,6 +209,7 @@ def _build_group(
                 )
             backends[device] = by_name[backend_name]
             specs[device] = spec
+        publish_process(group_store, ranks.index(rank))  # for the failure agreement (tdist._failure)
     except BaseException:
         for backend in by_name.values():
             backend.shutdown()
@@ -259,7 +261,7 @@ def init_process_group(
         options["device_id"] = device_id
     display, devices = _parse_backend(backend)
     bridge_wanted = bridging.wanted(torch_bridge)
-    bridge = bridge_wanted and bridging.torch_is_free(rank, world_size)
+    bridge = bridge_wanted and bridging.installed().torch_is_free(rank, world_size)
     if store is not None:
         if init_method is not None:
             raise ValueError("init_process_group: pass either init_method or store, not both")
@@ -271,7 +273,7 @@ def init_process_group(
         store, rank, world_size = _rendezvous(init_method, rank, world_size, timeout, group_name)
     try:
         if bridge_wanted:  # again, now that rank and world size are known
-            bridge = bridging.torch_is_free(rank, world_size)
+            bridge = bridging.installed().torch_is_free(rank, world_size)
         store = enter_incarnation(store, rank, world_size, timeout)  # owns the rendezvous' store
         join(store, "tdist/init", rank, range(world_size), timeout, backend=display)
         world = _build_group("pg0", list(range(world_size)), rank, devices, display, store, timeout, options)
@@ -287,7 +289,7 @@ def init_process_group(
     _announce(plugins().group_created, world)
     if bridge:
         try:
-            bridging.mirror_world(world)
+            bridging.installed().mirror_world(world)
         except BaseException:
             destroy_process_group()
             raise
@@ -341,7 +343,7 @@ def new_group(
         STATE.group_count += 1
         name = f"pg{STATE.group_count}"
         if world.rank not in members:
-            bridging.mirror_new_group(None, members, devices, group_desc)
+            bridging.installed().mirror_new_group(None, members, devices, group_desc)
             return GroupMember.NON_GROUP_MEMBER
     timeout = timeout or world.timeout
     join(STATE.store, f"tdist/{name}", world.rank, members, timeout, backend=display)
@@ -351,7 +353,7 @@ def new_group(
     pg = _build_group(name, members, world.rank, devices, display, STATE.store, timeout, options)
     STATE.groups.append(pg)
     _announce(plugins().group_created, pg)
-    bridging.mirror_new_group(pg, members, devices, group_desc, local=use_local_synchronization)
+    bridging.installed().mirror_new_group(pg, members, devices, group_desc, local=use_local_synchronization)
     return pg.handle
 
 
@@ -390,7 +392,7 @@ def destroy_process_group(group: Any = None) -> None:
         STATE.groups.remove(pg)
         _announce(plugins().group_destroyed, pg)
         pg.shutdown()
-        bridging.forget(pg)
+        bridging.installed().forget(pg)
         return
     groups, store = STATE.groups, STATE.store
     STATE.reset()
@@ -398,7 +400,7 @@ def destroy_process_group(group: Any = None) -> None:
     for pg in reversed(groups):
         _announce(plugins().group_destroyed, pg)
         pg.shutdown()
-    bridging.forget_all(groups)
+    bridging.installed().forget_all(groups)
     if store is not None:
         store.close()
 

@@ -21,14 +21,15 @@ import json
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
-from . import _torch as bridging
+from . import _bridge as bridging
 from ._errors import DistError, DistStoreTimeoutError
+from ._failure import agree_now
 from ._groups import STATE, ProcessGroup, resolve_group
 from ._init import _announce, _build_group, _same_devices, destroy_process_group
 from ._plugins import plugins
 from ._store.base import Store
 
-__all__ = ["SHRINK_DEFAULT", "SHRINK_ABORT", "shrink_group"]
+__all__ = ["SHRINK_DEFAULT", "SHRINK_ABORT", "shrink_group", "failed_ranks"]
 
 #: Build the new group, then shut the old one down.
 SHRINK_DEFAULT = 0x00
@@ -83,6 +84,18 @@ def shrink_group(
     new = _build_group(name, ranks, me, devices, pg.backend_name, store, pg.timeout, options)
     _retire(pg, new, devices, is_world, shut_down=aborted)
     return new.handle
+
+
+def failed_ranks(group: Any = None) -> list[int]:
+    """The group ranks of ``group`` (default: the default group) that failed, as every
+    surviving member agrees (what :class:`tdist.DistRankFailureError` carries); called by the
+    survivors after an operation failed, for instance when torch's DDP raised a
+    RuntimeError. Runs the agreement if no failure was agreed yet (every survivor must
+    then call it); an empty list when no rank failed."""
+    pg = resolve_group(group)
+    if pg is None:
+        raise ValueError("failed_ranks: this rank is not a member of the group")
+    return list(agree_now(pg))
 
 
 def _check_arguments(ranks_to_exclude: Any, shrink_flags: Any) -> None:
@@ -156,16 +169,16 @@ def _retire(old: ProcessGroup, new: ProcessGroup, devices: dict[str, str], is_wo
     if not shut_down:
         old.shutdown()
     if is_world:
-        bridging.forget_all([old])
+        bridging.installed().forget_all([old])
         STATE.world = new
         STATE.groups.insert(0, new)
     else:
-        bridging.forget(old)
+        bridging.installed().forget(old)
         STATE.groups.append(new)
     _announce(plugins().group_created, new)
     if not mirrored:
         return
     if is_world:
-        bridging.mirror_world(new)
+        bridging.installed().mirror_world(new)
     else:
-        bridging.mirror_new_group(new, new.ranks, devices, None, local=True)
+        bridging.installed().mirror_new_group(new, new.ranks, devices, None, local=True)

@@ -24,6 +24,7 @@ import threading
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
 
+from ._failure import rank_failure
 from ._errors import DistBackendError, DistBackendTimeoutError, DistError
 
 __all__ = ["Work", "Timeout", "seconds"]
@@ -54,7 +55,7 @@ class Work:
     ``is_completed`` is True once ``wait`` has returned.
     """
 
-    __slots__ = ("op", "_done", "_event", "_result", "_exc", "_source_rank", "_callbacks", "default_timeout")
+    __slots__ = ("op", "_done", "_event", "_result", "_exc", "_source_rank", "_callbacks", "default_timeout", "group")
 
     def __init__(self, op: str = "op", default_timeout: Optional[float] = None) -> None:
         self.op = op
@@ -65,6 +66,8 @@ class Work:
         self._exc: Optional[BaseException] = None
         self._source_rank: int = -1
         self._callbacks: Optional[list[Callable[["Work"], None]]] = None
+        #: the group it runs on (set when issued): a failure caused by another rank is agreed on it
+        self.group: Any = None
 
     # ----------------------------------------------------------------- producers
     @classmethod
@@ -152,8 +155,14 @@ class Work:
         if not self._done:
             limit = seconds(timeout, self.default_timeout)
             if not self._block(limit):
-                raise DistBackendTimeoutError(f"{self.op}: did not complete within {limit:g} s (Work.wait timeout)")
+                late = DistBackendTimeoutError(f"{self.op}: did not complete within {limit:g} s (Work.wait timeout)")
+                late.local_wait = True  # type: ignore[attr-defined]  # the operation goes on: not a rank failure
+                raise late
         if self._exc is not None:
+            if self.group is not None:
+                error = rank_failure(self.group, self._exc, self.op)
+                if error is not self._exc:
+                    raise error
             raise self._exc
         return True
 

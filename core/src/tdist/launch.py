@@ -163,6 +163,25 @@ def get_args_parser(prog: str = PROG) -> argparse.ArgumentParser:
         f"else {DEFAULT_GRACE_PERIOD:g})",
     )
     parser.add_argument(
+        "--tolerate-failures",
+        "--tolerate_failures",
+        dest="tolerate_failures",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the job survives up to N worker failures (a program that shrinks its groups, "
+        "tdist.shrink_group): the other workers go on; more is a job failure as usual (default 0)",
+    )
+    parser.add_argument(
+        "--replace-failed",
+        "--replace_failed",
+        dest="replace_failed",
+        action="store_true",
+        help="with --tolerate-failures: start a replacement for each tolerated failure, with "
+        "TDIST_REPLACEMENT=<its rank> (tdist.replaced_rank()); it joins the running job "
+        "(tdist.join_process_group) when the others call tdist.grow_group",
+    )
+    parser.add_argument(
         "--debug-dump",
         "--debug_dump",
         dest="debug_dump",
@@ -193,6 +212,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, launch_mod
         parser.error(f"--master_port must be in 1..65535, got {args.master_port}")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must not be negative, got {args.max_restarts}")
+    if args.tolerate_failures < 0:
+        parser.error(f"--tolerate-failures must not be negative, got {args.tolerate_failures}")
+    if args.replace_failed and not args.tolerate_failures:
+        parser.error("--replace-failed needs --tolerate-failures N (N >= 1)")
     for name in ("grace_period", "shutdown_timeout"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
@@ -405,6 +428,8 @@ def launch(args: argparse.Namespace) -> int:
             log=log,
             extra_env=extra_env,
             error_dir=error_dir,
+            tolerate_failures=args.tolerate_failures,
+            replace_failed=args.replace_failed,
         )
         status = _report(agent, run_agent(agent, config))
         if status and args.debug_dump is not None:

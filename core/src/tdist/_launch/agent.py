@@ -61,6 +61,8 @@ class TdistAgent(LocalElasticAgent):
     ``log``: receives the launcher's messages. ``extra_env``: more variables for every
     worker (``--debug-dump``'s). ``error_dir``: a directory only this user can enter, where
     the workers record their uncaught exceptions (None: they do not).
+    ``tolerate_failures``: how many worker failures the job survives (the program shrinks
+    its groups); ``replace_failed``: start a replacement for each (it joins the job).
     """
 
     def __init__(
@@ -74,6 +76,8 @@ class TdistAgent(LocalElasticAgent):
         log: Callable[[str], None],
         extra_env: Optional[dict[str, str]] = None,
         error_dir: Optional[str] = None,
+        tolerate_failures: int = 0,
+        replace_failed: bool = False,
     ) -> None:
         super().__init__(
             spec,
@@ -87,6 +91,8 @@ class TdistAgent(LocalElasticAgent):
         self.log = log
         self.extra_env = dict(extra_env or {})
         self.error_dir = error_dir
+        self.tolerate_failures = tolerate_failures
+        self.replace_failed = replace_failed
         self._starts = 0  # worker group starts so far (restarts that are not counted too)
 
     # ------------------------------------------------------------------ starting
@@ -173,9 +179,20 @@ class TdistAgent(LocalElasticAgent):
             numa_options=spec.numa_options,
             duplicate_stdout_filters=spec.duplicate_stdout_filters,
             duplicate_stderr_filters=spec.duplicate_stderr_filters,
+            tolerate_failures=self.tolerate_failures,
+            replace_failed=self.replace_failed,
         )
         self._pcontext.start()
         return self._pcontext.pids()
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        """torch's check, after giving a replaced worker (``--replace-failed``) its new pid."""
+        pcontext = self._pcontext
+        if isinstance(pcontext, WorkerProcesses) and pcontext.tolerated:
+            pids = pcontext.pids()
+            for worker in worker_group.workers:
+                worker.id = pids.get(worker.local_rank, worker.id)
+        return super()._monitor_workers(worker_group)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         spec = worker_group.spec
@@ -225,6 +242,8 @@ def create_agent(
     log: Callable[[str], None],
     extra_env: Optional[dict[str, str]] = None,
     error_dir: Optional[str] = None,
+    tolerate_failures: int = 0,
+    replace_failed: bool = False,
 ) -> TdistAgent:
     """The agent for ``config`` (as torch's ``launch_agent`` builds its LocalElasticAgent).
     Creating a c10d rendezvous handler connects to (or hosts) its store."""
@@ -265,6 +284,8 @@ def create_agent(
         log=log,
         extra_env=extra_env,
         error_dir=error_dir,
+        tolerate_failures=tolerate_failures,
+        replace_failed=replace_failed,
     )
 
 

@@ -25,6 +25,7 @@ from typing import IO, Any, Callable, Optional
 from torch.distributed.elastic.multiprocessing.api import LogsSpecs, PContext, RunProcsResult
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from .._environment import REPLACEMENT_ENV
 from .._errorfile import ENV as ERROR_FILE_ENV
 from .._errorfile import Failure, read_record, root_cause
 from .workers import OutputRoute, describe_status, group_members, pdeathsig_preexec, popen_target, start_pump
@@ -76,6 +77,8 @@ class WorkerProcesses(PContext):
         duplicate_stdout_filters: Optional[list[str]] = None,
         duplicate_stderr_filters: Optional[list[str]] = None,
         numa_options: Any = None,
+        tolerate_failures: int = 0,
+        replace_failed: bool = False,
     ) -> None:
         # PContext.__init__ would also set up torch's file tailers for --tee; our pumps copy
         # tee'd streams, so set what PContext's start()/wait()/close() use ourselves.
@@ -104,6 +107,12 @@ class WorkerProcesses(PContext):
         self.log = log
         self._consoles = (sys.stdout, sys.stderr)
         self._workers: dict[int, _Worker] = {}
+        self._replaced: list[_Worker] = []  # workers whose local rank a replacement took over
+        #: How many worker failures the job survives (tdistrun --tolerate-failures), and so far.
+        self.tolerate_failures = tolerate_failures
+        self.tolerated = 0
+        #: Start a replacement for each tolerated failure (tdistrun --replace-failed).
+        self.replace_failed = replace_failed
         self._files: list[IO[bytes]] = []
         self._failures: dict[int, ProcessFailure] = {}
         self._exited_at: dict[int, float] = {}  # when a worker was seen to have exited (time.time())
@@ -143,27 +152,52 @@ class WorkerProcesses(PContext):
         return cmd
 
     def _start(self) -> None:
-        preexec = pdeathsig_preexec()
         for stream in self._consoles:
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
         for local_rank in range(self.nprocs):
-            routes = (self._route(local_rank, 0), self._route(local_rank, 1))
-            proc = subprocess.Popen(
-                self._command(local_rank),
-                env={**os.environ, **self.envs[local_rank]},
-                stdout=popen_target(routes[0]),
-                stderr=popen_target(routes[1]),
-                start_new_session=True,
-                preexec_fn=preexec,
-            )
-            worker = _Worker(local_rank, int(self.envs[local_rank].get("RANK", local_rank)), proc)
-            self._workers[local_rank] = worker
-            for pipe, route, what in ((proc.stdout, routes[0], "out"), (proc.stderr, routes[1], "err")):
-                if pipe is not None:
-                    worker.threads.append(start_pump(pipe, route, f"tdistrun-rank{worker.rank}-{what}"))
+            self._spawn(local_rank, self.envs[local_rank])
+
+    def _spawn(self, local_rank: int, env: dict[str, str]) -> _Worker:
+        """Start the worker of ``local_rank`` with ``env`` added to the launcher's environment."""
+        routes = (self._route(local_rank, 0), self._route(local_rank, 1))
+        proc = subprocess.Popen(
+            self._command(local_rank),
+            env={**os.environ, **env},
+            stdout=popen_target(routes[0]),
+            stderr=popen_target(routes[1]),
+            start_new_session=True,
+            preexec_fn=pdeathsig_preexec(),
+        )
+        worker = _Worker(local_rank, int(env.get("RANK", local_rank)), proc)
+        old = self._workers.get(local_rank)
+        if old is not None:
+            self._replaced.append(old)
+        self._workers[local_rank] = worker
+        for pipe, route, what in ((proc.stdout, routes[0], "out"), (proc.stderr, routes[1], "err")):
+            if pipe is not None:
+                worker.threads.append(start_pump(pipe, route, f"tdistrun-rank{worker.rank}-{what}"))
+        return worker
+
+    def _tolerate(self, worker: _Worker, code: int) -> bool:
+        """Whether ``worker``'s failure (exit status ``code``) is one the program opted to
+        survive (``tolerate_failures``); then start its replacement if asked to."""
+        if self.tolerated >= self.tolerate_failures:
+            return False
+        self.tolerated += 1
+        what = f"rank {worker.rank} (local rank {worker.local_rank}, pid {worker.proc.pid}) failed with "
+        what += f"{describe_status(code)}; the job goes on (failure {self.tolerated} of {self.tolerate_failures} "
+        what += "tolerated"
+        if not self.replace_failed:
+            self.log(what + ")")
+            return True
+        env = {**self.envs[worker.local_rank], REPLACEMENT_ENV: str(worker.rank)}
+        replacement = self._spawn(worker.local_rank, env)
+        self._running.add(worker.local_rank)
+        self.log(what + f"); started a replacement (pid {replacement.proc.pid}, {REPLACEMENT_ENV}={worker.rank})")
+        return True
 
     # ------------------------------------------------------------------ polling
     def pids(self) -> dict[int, int]:
@@ -179,6 +213,8 @@ class WorkerProcesses(PContext):
                 continue
             self._running.discard(local_rank)
             self._exited_at[local_rank] = now
+            if code != 0 and self._tolerate(worker, code):
+                continue
             if code != 0:
                 self._failures[local_rank] = ProcessFailure(
                     local_rank=local_rank,
@@ -255,7 +291,7 @@ class WorkerProcesses(PContext):
     # ------------------------------------------------------------------ stopping
     def _leftovers(self) -> list[int]:
         """Live processes in the workers' groups (workers or what they started)."""
-        return [pid for w in self._workers.values() for pid in group_members(w.pgid)]
+        return [pid for w in [*self._workers.values(), *self._replaced] for pid in group_members(w.pgid)]
 
     def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
         """Send ``death_sig`` to every worker's process group, give them ``grace_period``

@@ -9,6 +9,8 @@ Examples::
     python -m tdist.bench --recorder-overhead               # tdist-debug's flight recorder, per op
     python -m tdist.bench --store                           # TCPStore: tdist against torch's
     python -m tdist.bench --ddp                   # torch DDP steps on tdist-tcp vs torch's gloo
+    python -m tdist.bench --recovery              # a lost rank: shrink (tcp, gloo) vs a restart + checkpoint
+    python -m tdist.bench --torchft               # torchft's recovery from a SIGKILL: tdist-tcp vs torchft's gloo
     python -m tdist.bench --tls                   # tcp over sockets: TLS on vs off (16 MiB all_reduce)
     python -m tdist.bench --hosts 2               # 2 simulated hosts x 2 ranks: tcp vs gloo (root)
     python -m tdist.bench --hosts 2 --link-rate 1gbit --link-delay 0.001
@@ -118,11 +120,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--store",
         action="store_true",
         help="measure the TCPStore instead, against torch's: multi_get against single gets, "
-        "and --store-clients clients doing --store-ops adds each",
+        "--store-clients clients doing --store-ops adds each, and a load test: --store-load-clients "
+        "clients connected at once doing set/get (p50/p99 latency, connect time)",
     )
     p.add_argument("--store-clients", type=int, default=16, help="client processes for --store (default 16)")
     p.add_argument("--store-ops", type=int, default=1000, help="adds per client for --store (default 1000)")
     p.add_argument("--store-keys", type=int, default=100, help="keys per multi_get for --store (default 100)")
+    p.add_argument(
+        "--store-load-clients",
+        type=int,
+        default=4096,
+        help="light clients of --store's load test, all connected at once (default 4096; 0: no load test)",
+    )
+    p.add_argument(
+        "--store-load-procs", type=int, default=4, help="processes the load clients are spread over (default 4)"
+    )
+    p.add_argument("--store-load-rounds", type=int, default=5, help="set + get rounds per load client (default 5)")
     p.add_argument(
         "--tls",
         action="store_true",
@@ -146,6 +159,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-rate", help="each host's link rate for --hosts, e.g. 1gbit (tc tbf; default unlimited)")
     p.add_argument(
         "--link-delay", type=float, default=0.0, help="seconds added to every frame a host sends, for --hosts"
+    )
+    p.add_argument(
+        "--torchft",
+        action="store_true",
+        help="time torchft's recovery from a SIGKILL (its DDP example, 2 replica groups) with tdist's process "
+        "group against torchft's gloo instead (--repeats applies; needs torchft and a source checkout)",
+    )
+    p.add_argument(
+        "--recovery",
+        action="store_true",
+        help="time the recovery from a SIGKILLed rank of 4 (torch DDP): shrinking on tcp and gloo against "
+        "tdistrun --max-restarts 1 with a checkpoint reload, instead",
+    )
+    p.add_argument(
+        "--torchft-heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout for --torchft"
     )
     p.add_argument("--ddp-steps", type=int, default=5, help="training steps per sample for --ddp")
     p.add_argument("--ddp-batch", type=int, default=16, help="rows per rank per step for --ddp (default 16)")
@@ -172,7 +200,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.store:
         from .store import format_store_bench, store_bench
 
-        result = store_bench(args.store_clients, args.store_ops, args.store_keys, args.repeats)
+        result = store_bench(
+            args.store_clients,
+            args.store_ops,
+            args.store_keys,
+            args.repeats,
+            args.store_load_clients,
+            args.store_load_procs,
+            args.store_load_rounds,
+        )
         print(format_store_bench(result))
         if args.json:
             write_json(args.json, [result], {"mode": "store"})
@@ -199,6 +235,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(format_ddp(rows))
         if args.json:
             write_json(args.json, rows, {"mode": "ddp"})
+        return 0
+    if args.recovery:
+        from .recovery import format_recovery, recovery_bench
+
+        rows = recovery_bench(["tcp", "gloo"], timeout=min(args.timeout, 600.0))
+        print(format_recovery(rows))
+        if args.json:
+            write_json(args.json, rows, {"mode": "recovery"})
+        return 0
+    if args.torchft:
+        from .torchft import format_torchft, torchft_bench
+
+        rows = torchft_bench(repeats=args.repeats, heartbeat_ms=args.torchft_heartbeat_ms, timeout=args.timeout)
+        print(format_torchft(rows))
+        if args.json:
+            write_json(args.json, rows, {"mode": "torchft"})
         return 0
     if args.hosts:
         _configure_hosts(args)

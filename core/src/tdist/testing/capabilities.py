@@ -15,6 +15,7 @@ finer features the spec has no column for:
 ``peer_failure``      every survivor of a killed peer raises promptly (not after the timeout)
 ``timeout_names_ranks``  a collective whose peers never arrive raises DistBackendTimeoutError naming them
 ``shrink_group``      :func:`shrink_group`: the survivors of a lost rank build the group without it, no restart
+``abort``             ``group.abort()`` on one rank fails its pending operations and its peers' within seconds
 
 A tdist backend declares a finer feature unsupported by listing its key in
 ``BackendSpec.extra["unsupported"]``; an undeclared feature counts as supported.

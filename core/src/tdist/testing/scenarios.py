@@ -195,70 +195,6 @@ def peer_killed_mid_collective(ctx: ScenarioContext) -> None:
             )
 
 
-def _w_shrink_after_loss(seconds: float) -> dict:
-    """Loop all_reduce until the lost peer makes it fail, then shrink the default group
-    and a subgroup without it, and use both; report ranks, sizes, sums and timings."""
-    import torch
-
-    from ._common import dist
-
-    old_rank, n = dist.get_rank(), dist.get_world_size()
-    pair = dist.new_group([0, n - 1])  # a subgroup with the rank that will be lost
-    failure = _w_collectives_until_error(seconds)
-    if failure["type"] is None:
-        return {"failure": failure}
-    started = time.monotonic()
-    out: dict = {"failure": failure}
-    if old_rank == 0:  # shrink the subgroup first: the world's shrink destroys it
-        alone = dist.shrink_group([1], group=pair)
-        out["pair"] = dist.get_process_group_ranks(alone)
-    world = dist.shrink_group([n - 1])
-    t = torch.full((4,), float(old_rank + 1))
-    dist.all_reduce(t)
-    out["first_step_s"] = time.monotonic() - started
-    out.update(
-        rank=dist.get_rank(),
-        size=dist.get_world_size(),
-        sum=t.tolist(),
-        default_is_new=world is dist.group.WORLD,
-    )
-    import torch.distributed as td
-
-    if td.is_initialized():
-        out["torch_size"] = td.get_world_size()
-    dist.barrier()
-    return out
-
-
-@scenario(
-    timeout=150,
-    requires=("shrink_group",),
-    tdist_only="torch's shrink_group is NCCL-only",
-    not_with={"mpi": "under mpirun a rank killed by a signal aborts the whole job (prterun policy)"},
-)
-def shrink_after_peer_killed(ctx: ScenarioContext) -> None:
-    """A peer SIGKILLed mid all_reduce: the survivors shrink the default group (and a
-    subgroup) without it, with no restart; the new default group is renumbered 0..n-2,
-    torch's default group follows, and collectives on it give the survivors' sums."""
-    n = 3
-    with ctx.spawn(n, pg_timeout=15) as world:
-        world.run(_w_ready)
-        pending = world.submit(_w_shrink_after_loss, timeout=100, seconds=60.0)
-        time.sleep(1.0)
-        world.kill_rank(n - 1, signal.SIGKILL)
-        outcomes = pending.outcomes()
-    for r in range(n - 1):
-        o = outcomes[r]
-        assert not isinstance(o, RankFailure), f"rank {r} failed to shrink: {o}"
-        assert o["failure"]["type"] is not None, f"rank {r}'s all_reduce kept completing after its peer died"
-        assert (o["rank"], o["size"]) == (r, n - 1), f"rank {r} is rank {o['rank']} of {o['size']} after the shrink"
-        assert o["sum"] == [float(sum(range(1, n)))] * 4, f"rank {r}: all_reduce on the shrunken world gave {o['sum']}"
-        assert o["default_is_new"], f"rank {r}: shrink_group's result is not the default group"
-        if "torch_size" in o:
-            assert o["torch_size"] == n - 1, f"rank {r}: torch's default group has {o['torch_size']} ranks"
-    assert outcomes[0]["pair"] == [0], f"the shrunken pair is {outcomes[0]['pair']}"
-
-
 # =========================================================================== missing peer at init
 @scenario(timeout=120, not_with={"mpi": "mpirun always starts every rank"})
 def init_missing_peer(ctx: ScenarioContext) -> None:
@@ -634,3 +570,6 @@ def monitored_barrier_names_missing_rank(ctx: ScenarioContext) -> None:
     assert o["type"] is not None, "monitored_barrier passed although a rank never arrived"
     assert o["elapsed"] <= 12.0, f"monitored_barrier raised after {o['elapsed']:.1f} s (timeout 2 s)"
     assert re.search(rf"\b{n - 1}\b", o["message"]), f"error does not name rank {n - 1}: {o['message']}"
+
+
+from . import scenarios_ft  # noqa: E402,F401  (registers the fault-tolerance scenarios)

@@ -32,6 +32,10 @@ def _unsupported_features() -> dict[str, str]:
         "gloo's timeouts say 'Timed out waiting Nms for recv operation' (or, once a peer gave up, "
         "'Connection closed by peer'), never which ranks did not arrive"
     )
+    size_check["abort"] = (
+        "gloo fails only the operations waiting on a closed connection: aborting a group fails this rank's "
+        "pending operations, a peer waiting on a third rank waits for its timeout"
+    )
     if flag(CHECK_ENV):
         return size_check
     return {

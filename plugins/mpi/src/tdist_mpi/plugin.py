@@ -46,6 +46,10 @@ def _spec() -> BackendSpec:
             "a communicator without a lost rank needs MPI's fault tolerance (ULFM: Comm.Revoke/Shrink/Agree), "
             "which tdist-mpi does not use yet; and under mpirun a rank lost to a signal ends the whole job"
         ),
+        "abort": (
+            "MPI cannot cancel a collective in flight: aborting a group releases this rank's side only, "
+            "the peers' pending operations wait (MPI_Abort would end the whole job)"
+        ),
         "timeout_names_ranks": "an MPI request that did not complete does not tell which ranks have not arrived",
         "p2p_dtype_check": (
             "MPI checks a message's size, not its datatype: a receive into another dtype of the same "

@@ -1,0 +1,179 @@
+"""``--recovery``: how long a job takes to train again after losing a rank, without
+restarting (the survivors shrink) against the torchrun way (``tdistrun --max-restarts 1``:
+every worker restarts and reloads a checkpoint), side by side in one run.
+
+World 4 on one host, torch's DDP (through the bridge) on a ~4.2M-parameter MLP
+(4 x Linear(1024, 1024)), SGD with momentum. At step ``KILL_STEP`` the last rank records
+the time and SIGKILLs itself after its forward pass (the others are in backward's
+all-reduces).
+
+- ``shrink`` (per backend): the survivors catch DDP's error, ``shrink_group`` the ranks
+  :func:`tdist.failed_ranks` names away, build a new DDP and redo the step. Measured:
+  the kill to the survivors' error (*detect*) and to their first completed step on the
+  shrunken group (*recover*).
+- ``restart``: the same program under ``tdistrun --max-restarts 1``, checkpointing
+  (model and optimizer, ``torch.save``) after every step; after the kill the launcher
+  stops and restarts every worker, which re-import torch, rendezvous again and load the
+  checkpoint. Measured: the kill to the first completed step of the new attempt.
+
+    python -m tdist.bench --recovery
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+__all__ = ["recovery_bench", "format_recovery", "KILL_STEP"]
+
+KILL_STEP, STEPS, WIDTH, LAYERS, BATCH = 3, 6, 1024, 4, 16
+_TDISTRUN = [sys.executable, "-c", "import sys; from tdist.launch import main; sys.exit(main())"]
+
+
+def recovery_bench(backends: list[str], world: int = 4, timeout: float = 300.0) -> list[dict]:
+    """One row per way: ``shrink`` on each of ``backends``, then ``restart`` (tcp)."""
+    from tdist.testing import free_port
+
+    rows = []
+    for backend in backends:
+        rows.append(_run(["shrink", backend], world, timeout, free_port(), launcher=False))
+    rows.append(_run(["restart", "tcp"], world, timeout, free_port(), launcher=True))
+    return rows
+
+
+def _run(args: list[str], world: int, timeout: float, port: int, launcher: bool) -> dict:
+    tmp = tempfile.mkdtemp(prefix="tdist-bench-recovery-")
+    worker = [sys.executable, "-m", "tdist.bench.recovery", "--worker", tmp, *args]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+    if launcher:
+        cmd = [*_TDISTRUN, "--nproc-per-node", str(world), "--max-restarts", "1", "--no-prefix"]
+        cmd += ["--master-port", str(port), "-m", "tdist.bench.recovery", "--worker", tmp, *args]
+        procs = [subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL)]
+    else:
+        procs = [
+            subprocess.Popen(worker, env={**env, "RANK": str(r), "WORLD_SIZE": str(world)}, start_new_session=True)
+            for r in range(world)
+        ]
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        with open(os.path.join(tmp, "times.json")) as f:
+            times = json.load(f)
+        with open(os.path.join(tmp, "killed_at")) as f:
+            killed = float(f.read())
+    except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        raise RuntimeError(f"tdist.bench --recovery: {' '.join(args)} did not finish: {exc}") from None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
+    detect = times.get("caught_at")
+    return {
+        "way": args[0],
+        "backend": args[1],
+        "world": world,
+        "detect_s": None if detect is None else detect - killed,
+        "recover_s": times["recovered_at"] - killed,
+    }
+
+
+def format_recovery(rows: list[dict]) -> str:
+    restart = next((r["recover_s"] for r in rows if r["way"] == "restart"), None)
+    lines = [
+        f"recovery from a SIGKILLed rank, world {rows[0]['world']}, torch DDP, "
+        f"{LAYERS} x Linear({WIDTH}, {WIDTH}) (4.2M parameters):",
+        f"  {'way':<28}  {'detect':>9}  {'first step':>10}  {'vs restart':>10}",
+    ]
+    for row in rows:
+        name = f"{row['way']} ({row['backend']})" if row["way"] == "shrink" else "tdistrun --max-restarts 1"
+        detect = "-" if row["detect_s"] is None else f"{row['detect_s'] * 1e3:6.0f} ms"
+        ratio = f"{row['recover_s'] / restart:9.3f}x" if restart else "-"
+        lines.append(f"  {name:<28}  {detect:>9}  {row['recover_s'] * 1e3:7.0f} ms  {ratio:>10}")
+    lines.append(
+        "  (detect: the kill to the survivors' error; first step: to the first completed step after it,\n"
+        "   on the shrunken group or in the restarted attempt; targets: <= 1 s on tcp, <= 0.1x the restart)"
+    )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- worker side
+def _model() -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    layers: list = []
+    for i in range(LAYERS):
+        layers.append(torch.nn.Linear(WIDTH, WIDTH))
+        if i < LAYERS - 1:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def _worker(tmp: str, way: str, backend: str) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import tdist
+
+    torch.set_num_threads(1)
+    tdist.init_process_group(backend, timeout=timedelta(seconds=10))
+    first_rank, n = tdist.get_rank(), tdist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    net = _model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    checkpoint = os.path.join(tmp, "checkpoint.pt")
+    step = 0
+    if way == "restart" and os.path.exists(checkpoint):
+        state = torch.load(checkpoint, weights_only=False)
+        net.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    times: dict[str, Optional[float]] = {"caught_at": None}
+    first_after: Optional[float] = None
+    while step < STEPS:
+        rank, world = tdist.get_rank(), tdist.get_world_size()
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(BATCH * n, WIDTH, generator=gen), torch.randn(BATCH * n, WIDTH, generator=gen)
+        opt.zero_grad()
+        try:
+            out = ddp(x[rank::world])
+            if step == KILL_STEP and first_rank == n - 1 and attempt == 0:
+                with open(os.path.join(tmp, "killed_at"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            F.mse_loss(out, y[rank::world]).backward()
+        except Exception:  # torch's DDP raises a RuntimeError naming tdist's DistRankFailureError
+            times["caught_at"] = time.time()
+            tdist.shrink_group(tdist.failed_ranks())
+            ddp = torch.nn.parallel.DistributedDataParallel(net)
+            continue
+        opt.step()
+        step += 1
+        if first_after is None and (times["caught_at"] is not None or attempt > 0):
+            first_after = time.time()
+        if way == "restart" and first_rank == 0:
+            torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "step": step}, checkpoint + ".tmp")
+            os.replace(checkpoint + ".tmp", checkpoint)
+    if first_rank == 0 and first_after is not None:
+        times["recovered_at"] = first_after
+        with open(os.path.join(tmp, "times.json"), "w") as f:
+            json.dump(times, f)
+    tdist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        _worker(*sys.argv[2:])
+    else:
+        sys.exit("usage: python -m tdist.bench --recovery (this module is its worker)")
