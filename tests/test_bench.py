@@ -146,6 +146,23 @@ def test_recovery_mode(tmp_path):
     assert all(r["recover_s"] > 0 for r in rows) and all(r["detect_s"] > 0 for r in rows[:2]), rows
 
 
+@pytest.mark.slow
+def test_scale_mode(tmp_path):
+    """``--scale``: real worlds on tcp and gloo, a simulated world of ranks as threads."""
+    out = tmp_path / "scale.json"
+    args = ["--scale", "--world-sizes", "2", "--sim-worlds", "4", "--sim-procs", "2", "--json", str(out)]
+    proc = _run(args, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["kind"], r["backend"], r["world"]) for r in rows] == [
+        ("real", "tcp", 2),
+        ("real", "gloo", 2),
+        ("sim", "tcp", 4),
+    ]
+    assert all(r["init_s"] > 0 and r["threads"] > 0 and r["fds"] > 0 and r["rss_kib"] > 0 for r in rows), rows
+    assert rows[2]["ranks_per_proc"] == 2
+
+
 def test_store_mode(tmp_path):
     out = tmp_path / "store.json"
     proc = _run(

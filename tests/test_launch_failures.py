@@ -106,7 +106,10 @@ def test_root_cause_is_the_rank_that_failed_first(tmp_path, options):
         ), where
         assert 'tdistrun:       raise ValueError("boom on rank 1")' in lines, where  # the traceback's end
         assert "tdistrun:   ValueError: boom on rank 1" in lines, where
-    assert any(line.startswith("tdistrun: rank 0 failed because rank 1 did: DistBackendError") for line in lines), where
+    # rank 0's error: the agreed rank failure naming rank 1 (a DistBackendError)
+    assert any(line.startswith("tdistrun: rank 0 failed because rank 1 did: DistRankFailureError") for line in lines), (
+        where
+    )
     assert not any("root cause: rank 0" in line for line in lines), where
 
 

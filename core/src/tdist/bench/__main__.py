@@ -9,6 +9,7 @@ Examples::
     python -m tdist.bench --recorder-overhead               # tdist-debug's flight recorder, per op
     python -m tdist.bench --store                           # TCPStore: tdist against torch's
     python -m tdist.bench --ddp                   # torch DDP steps on tdist-tcp vs torch's gloo
+    python -m tdist.bench --scale                 # per rank as the world grows: tcp vs gloo, simulated 16..256
     python -m tdist.bench --recovery              # a lost rank: shrink (tcp, gloo) vs a restart + checkpoint
     python -m tdist.bench --torchft               # torchft's recovery from a SIGKILL: tdist-tcp vs torchft's gloo
     python -m tdist.bench --tls                   # tcp over sockets: TLS on vs off (16 MiB all_reduce)
@@ -167,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
         "group against torchft's gloo instead (--repeats applies; needs torchft and a source checkout)",
     )
     p.add_argument(
+        "--scale",
+        action="store_true",
+        help="threads, descriptors, RSS and init time per rank as the world grows: tdist-tcp against torch's "
+        "gloo at --world-sizes (default 4,8,16,32 here), and simulated worlds of --sim-worlds ranks, instead",
+    )
+    p.add_argument("--sim-worlds", default="16,64,256", help="ranks of the simulated worlds for --scale")
+    p.add_argument("--sim-procs", type=int, default=8, help="processes the simulated ranks share for --scale")
+    p.add_argument(
         "--recovery",
         action="store_true",
         help="time the recovery from a SIGKILLed rank of 4 (torch DDP): shrinking on tcp and gloo against "
@@ -235,6 +244,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(format_ddp(rows))
         if args.json:
             write_json(args.json, rows, {"mode": "ddp"})
+        return 0
+    if args.scale:
+        from .scale import format_scale, scale_bench
+
+        default_worlds = args.world_sizes == "2,4"
+        worlds = [4, 8, 16, 32] if default_worlds else [int(w) for w in args.world_sizes.split(",") if w.strip()]
+        sims = [int(w) for w in args.sim_worlds.split(",") if w.strip()]
+        rows = scale_bench(worlds, sims, sim_procs=args.sim_procs, timeout=args.timeout)
+        print(format_scale(rows))
+        if args.json:
+            write_json(args.json, rows, {"mode": "scale"})
         return 0
     if args.recovery:
         from .recovery import format_recovery, recovery_bench

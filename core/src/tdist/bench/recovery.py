@@ -30,11 +30,13 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Optional
+
+from .ddp import LAYERS, WIDTH, _model
 
 __all__ = ["recovery_bench", "format_recovery", "KILL_STEP"]
 
-KILL_STEP, STEPS, WIDTH, LAYERS, BATCH = 3, 6, 1024, 4, 16
+KILL_STEP, STEPS, BATCH = 3, 6, 16
 _TDISTRUN = [sys.executable, "-c", "import sys; from tdist.launch import main; sys.exit(main())"]
 
 
@@ -107,18 +109,6 @@ def format_recovery(rows: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------- worker side
-def _model() -> Any:
-    import torch
-
-    torch.manual_seed(0)
-    layers: list = []
-    for i in range(LAYERS):
-        layers.append(torch.nn.Linear(WIDTH, WIDTH))
-        if i < LAYERS - 1:
-            layers.append(torch.nn.ReLU())
-    return torch.nn.Sequential(*layers)
-
-
 def _worker(tmp: str, way: str, backend: str) -> None:
     import torch
     import torch.nn.functional as F

@@ -60,6 +60,9 @@ def failed_ranks_agreed(ctx: ScenarioContext, how: str = "kill") -> None:
         pending = world.submit(_w_until_failure, timeout=100, seconds=60.0)
         time.sleep(1.0)
         world.kill_rank(n - 1, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        if how == "stop":  # the survivors time out after 4 s; then end the stopped rank, which never reports
+            time.sleep(15.0)
+            world.kill_rank(n - 1, signal.SIGKILL)
         outcomes = pending.outcomes()[: n - 1]
     for r, o in enumerate(outcomes):
         assert not isinstance(o, RankFailure), f"rank {r} did not report back: {_fmt(o)}"

@@ -1,0 +1,208 @@
+"""``--scale``: what a rank costs as the world grows, tdist-tcp against torch's gloo, and a
+simulated large world on this one machine.
+
+- **Real worlds** (``--world-sizes``, default 4,8,16,32): one process per rank; each
+  times ``init_process_group`` plus one all_reduce of one float and then reports its
+  threads (``/proc/self/task``), open descriptors (``/proc/self/fd``) and RSS, before
+  and after. tdist-tcp (``tdist.init_process_group("tcp")``) and torch's own gloo
+  (``torch.distributed.init_process_group("gloo")``), in that order, in one run.
+- **Simulated worlds** (``--sim-worlds``, default 16,64,256): ``--sim-procs`` processes
+  (default 8) each host ``world / procs`` ranks as threads; every rank builds its tdist-tcp
+  group through the backend's factory (shared memory off: the socket transport, the part
+  whose cost could grow with the world) and runs one all_reduce. Reported: the time until
+  every rank is done, and threads, descriptors and RSS per process and per rank. torch is
+  imported once per process (not per rank), so RSS per rank is the transport's, not torch's.
+
+    python -m tdist.bench --scale
+    python -m tdist.bench --scale --world-sizes 4,8 --sim-worlds 16,64
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["scale_bench", "format_scale", "process_usage"]
+
+
+def process_usage() -> dict[str, int]:
+    """This process's threads, open descriptors and resident memory (KiB), from /proc."""
+    rss = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+    return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")), "rss_kib": rss}
+
+
+def scale_bench(
+    world_sizes: list[int], sim_worlds: list[int], sim_procs: int = 8, timeout: float = 600.0
+) -> list[dict]:
+    """One row per (kind, backend, world size)."""
+    rows = []
+    for world in world_sizes:
+        for backend in ("tcp", "gloo"):
+            rows.append(_launch(["real", backend], world, world, timeout))
+    for world in sim_worlds:
+        procs = min(sim_procs, world)
+        rows.append(_launch(["sim", "tcp"], world, procs, timeout))
+    return rows
+
+
+def _launch(args: list[str], world: int, procs: int, timeout: float) -> dict:
+    """Run ``procs`` worker processes for a world of ``world`` ranks; rank 0's report."""
+    from tdist.testing import free_port
+
+    tmp = tempfile.mkdtemp(prefix="tdist-bench-scale-")
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "tdist.bench.scale", "--worker", tmp, *args, str(world), str(procs)]
+    workers = [
+        subprocess.Popen([*cmd, str(p)], env={**env, "RANK": str(p), "WORLD_SIZE": str(world)}, start_new_session=True)
+        for p in range(procs)
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in workers:
+            code = proc.wait(max(0.1, deadline - time.monotonic()))
+            if code != 0:
+                raise RuntimeError(f"tdist.bench --scale: a worker of {' '.join(args)} {world} exited with {code}")
+        with open(os.path.join(tmp, "result.json")) as f:
+            return dict(json.load(f))
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"tdist.bench --scale: {' '.join(args)} {world} ran past {timeout:g} s") from None
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def format_scale(rows: list[dict]) -> str:
+    lines = [
+        "what a rank costs, after init_process_group + one all_reduce (max over processes):",
+        f"  {'kind':<5} {'backend':<7} {'world':>5}  {'init':>8}  {'threads':>7}  {'+threads':>8}  "
+        f"{'fds':>5}  {'+fds':>5}  {'RSS MiB':>7}  {'ranks/proc':>10}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r['kind']:<5} {r['backend']:<7} {r['world']:>5}  {r['init_s']:7.2f}s  {r['threads']:>7}  "
+            f"{r['threads_added']:>8}  {r['fds']:>5}  {r['fds_added']:>5}  {r['rss_kib'] / 1024:7.0f}  "
+            f"{r['ranks_per_proc']:>10}"
+        )
+    lines.append(
+        "  (init: start of init_process_group to the end of the first all_reduce, slowest rank; +threads, +fds:\n"
+        "   what init and the all_reduce added to the process; sim: ranks as threads of --sim-procs processes,\n"
+        "   tcp over sockets only, one tdist-tcp group per rank)"
+    )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- worker side
+def _real(tmp: str, backend: str, world: int) -> None:
+    import torch
+
+    rank = int(os.environ["RANK"])
+    if backend == "gloo":
+        import torch.distributed as dist
+    else:
+        import tdist as dist  # type: ignore[no-redef]
+    before = process_usage()
+    started = time.monotonic()
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    dist.all_reduce(torch.ones(1))
+    elapsed = time.monotonic() - started
+    after = process_usage()
+    mine = {"init_s": elapsed, **after, "threads_added": after["threads"] - before["threads"]}
+    mine["fds_added"] = after["fds"] - before["fds"]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        _write(tmp, "real", backend, world, 1, everyone)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _sim(tmp: str, world: int, procs: int, index: int) -> None:
+    """Ranks ``index::procs`` of the world as threads of this process."""
+    import torch
+
+    import tdist
+    from tdist.plugin import PrefixStore, Reduction, ReduceOp
+
+    before = process_usage()
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = tdist.TCPStore(host, port, is_master=index == 0, timeout=timedelta(seconds=300), wait_for_workers=False)
+    factory = tdist.get_backend_spec("tcp").factory
+    ranks = list(range(index, world, procs))
+    backends: dict[int, Any] = {}
+    errors: list[BaseException] = []
+    done = threading.Barrier(len(ranks) + 1)
+
+    def run(rank: int) -> None:
+        try:  # a store client per rank, as each rank of a real world has (a blocking wait holds its client)
+            client = tdist.TCPStore(host, port, timeout=timedelta(seconds=300))
+            backend = factory(
+                store=PrefixStore("sim", client),
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=300),
+                options={"shm": False},
+                global_ranks=list(range(world)),
+            )
+            backends[rank] = backend
+            backend.all_reduce(torch.ones(1), Reduction(ReduceOp.SUM)).wait()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        done.wait()
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    done.wait()
+    elapsed = time.monotonic() - started
+    if errors:
+        raise errors[0]
+    after = process_usage()
+    store.set(f"report/{index}", json.dumps({"init_s": elapsed, **after, "before": before}))
+    store.wait([f"report/{p}" for p in range(procs)])
+    if index == 0:
+        reports = [json.loads(store.get(f"report/{p}")) for p in range(procs)]
+        for r in reports:
+            r["threads_added"] = r["threads"] - r["before"]["threads"] - len(ranks)  # not the bench's own threads
+            r["fds_added"] = r["fds"] - r["before"]["fds"] - 1 - len(ranks)  # nor its store connections
+        _write(tmp, "sim", "tcp", world, len(ranks), reports)
+    store.add("finished", 1)
+    while int(store.add("finished", 0)) < procs:  # the store's host goes last
+        time.sleep(0.05)
+    for backend in backends.values():
+        backend.shutdown()
+
+
+def _write(tmp: str, kind: str, backend: str, world: int, per_proc: int, reports: list[dict]) -> None:
+    row: dict[str, Any] = {"kind": kind, "backend": backend, "world": world, "ranks_per_proc": per_proc}
+    for key in ("init_s", "threads", "threads_added", "fds", "fds_added", "rss_kib"):
+        row[key] = max(r[key] for r in reports)
+    with open(os.path.join(tmp, "result.json"), "w") as f:
+        json.dump(row, f)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 8 and sys.argv[1] == "--worker":
+        tmp, kind, backend, world, procs, index = sys.argv[2:]
+        if kind == "real":
+            _real(tmp, backend, int(world))
+        else:
+            _sim(tmp, int(world), int(procs), int(index))
+    else:
+        sys.exit("usage: python -m tdist.bench --scale (this module is its worker)")
