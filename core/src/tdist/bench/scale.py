@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -62,6 +61,8 @@ def _launch(args: list[str], world: int, procs: int, timeout: float) -> dict:
     """Run ``procs`` worker processes for a world of ``world`` ranks; rank 0's report."""
     from tdist.testing import free_port
 
+    from .runner import wait_workers
+
     tmp = tempfile.mkdtemp(prefix="tdist-bench-scale-")
     port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
@@ -70,20 +71,13 @@ def _launch(args: list[str], world: int, procs: int, timeout: float) -> dict:
         subprocess.Popen([*cmd, str(p)], env={**env, "RANK": str(p), "WORLD_SIZE": str(world)}, start_new_session=True)
         for p in range(procs)
     ]
-    deadline = time.monotonic() + timeout
     try:
-        for proc in workers:
-            code = proc.wait(max(0.1, deadline - time.monotonic()))
-            if code != 0:
-                raise RuntimeError(f"tdist.bench --scale: a worker of {' '.join(args)} {world} exited with {code}")
+        failed = wait_workers(workers, timeout, f"the world of {world} ({' '.join(args)})")
+        if failed is not None:
+            raise RuntimeError(f"tdist.bench --scale: {failed}")
         with open(os.path.join(tmp, "result.json")) as f:
             return dict(json.load(f))
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"tdist.bench --scale: {' '.join(args)} {world} ran past {timeout:g} s") from None
     finally:
-        for proc in workers:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
