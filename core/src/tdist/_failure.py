@@ -125,32 +125,30 @@ def publish_process(group_store: "Store", group_rank: int) -> None:
     group_store.set(f"proc/{group_rank}", json.dumps(_ME))
 
 
-def _process_state(group_store: "Store", group_rank: int) -> Optional[str]:
-    """The state letter (``/proc/<pid>/stat``) of ``group_rank``'s process when it is on this
-    host, ``"gone"`` when no such process exists here, None when this host cannot tell."""
+#: ``/proc/<pid>/stat`` states of a process that makes no progress: zombie, dead, stopped.
+_NOT_RUNNING = ("Z", "X", "x", "T", "t")
+
+
+def _pid_here(group_store: "Store", group_rank: int) -> Optional[int]:
+    """The pid of ``group_rank``'s process when it runs on this host (same boot and pid
+    namespace), else None (another host, or not published): only its claim can tell then."""
     try:
         if not group_store.check([f"proc/{group_rank}"]):
             return None
         them = json.loads(group_store.get(f"proc/{group_rank}"))
-    except (DistStoreError, ValueError, OSError):
+        same_space = _ME["space"] is not None and them.get("space") == _ME["space"]
+        return int(them["pid"]) if same_space else None
+    except (DistStoreError, ValueError, OSError, KeyError):
         return None
-    if _ME["space"] is None or them.get("space") != _ME["space"]:
-        return None  # another host (or pid namespace): only its claim can tell
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists here and is neither dead nor stopped."""
     try:
-        with open(f"/proc/{int(them['pid'])}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in _NOT_RUNNING
     except (OSError, IndexError, ValueError):
-        return "gone"
-
-
-def _process_gone(group_store: "Store", group_rank: int) -> bool:
-    """Whether ``group_rank``'s process is known, from this host, to be dead or stopped."""
-    return _process_state(group_store, group_rank) in ("gone", "Z", "X", "x", "T", "t")
-
-
-def _process_alive_here(group_store: "Store", group_rank: int) -> bool:
-    """Whether ``group_rank``'s process runs on this host (it will claim when it sees the failure)."""
-    return _process_state(group_store, group_rank) not in (None, "gone", "Z", "X", "x", "T", "t")
+        return False  # no such process
 
 
 # ----------------------------------------------------------------- the agreement
@@ -209,6 +207,7 @@ def _agree(pg: "ProcessGroup", suspects: set[int]) -> dict[str, list[int]]:
     _claim(pg, suspects)
     blamed = set(suspects)
     claimed, aborting = {pg.rank}, set()
+    pids = {r: _pid_here(store, r) for r in range(pg.size) if r != pg.rank}  # read once
     started = time.monotonic()
     window = _window(pg)
     while True:
@@ -224,14 +223,14 @@ def _agree(pg: "ProcessGroup", suspects: set[int]) -> dict[str, list[int]]:
                 blamed |= set(claim.get("suspects", []))
                 if claim.get("aborting"):
                     aborting.add(r)
-            elif _process_gone(store, r):
+            elif pids[r] is not None and not _running(pids[r]):  # type: ignore[arg-type]
                 gone.add(r)
         failed = (blamed | gone) - claimed
         waiting = [r for r in range(pg.size) if r not in claimed and r not in failed]
         if aborting or not waiting:
             break  # an aborted group fails at once; else every rank is accounted for
         if time.monotonic() - started >= window:  # alive here: not failed, only silent
-            failed |= {r for r in waiting if not _process_alive_here(store, r)}
+            failed |= {r for r in waiting if pids[r] is None or not _running(pids[r])}  # type: ignore[arg-type]
             break
         time.sleep(_POLL)
     mine = json.dumps({"failed": sorted(failed), "aborting": sorted(aborting)})
