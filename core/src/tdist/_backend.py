@@ -424,6 +424,31 @@ class Backend(abc.ABC):
         the timeout overrides it (and calls this one)."""
         self.timeout = timeout
 
+    def shrink(
+        self,
+        survivors: Sequence[int],
+        *,
+        store: Any,
+        global_ranks: Sequence[int],
+        options: dict[str, Any],
+        abort: bool,
+    ) -> Optional["Backend"]:
+        """Optional: the backend of this group without some of its ranks, made from this one
+        (``shrink_group``) instead of by the factory through the store.
+
+        ``survivors``: the group ranks that stay (sorted, this rank among them), the same on
+        every one of them; the new backend's rank i is ``survivors[i]``, its global ranks
+        ``global_ranks``. Called once by every survivor, after they agreed; never by an
+        excluded rank, which may be dead. ``store`` is the new group's store (prefixed as a
+        factory's is), for whatever must still be exchanged; ``options`` the new group's
+        options; ``abort`` (``SHRINK_ABORT``): fail this group's pending operations before
+        anything else. Return None (the default) to have the core build the new backend with
+        the factory, as for any new group (the core shuts this one down first when
+        ``abort``). The core shuts this backend down after the new one is built: whatever
+        the new backend took over (connections, shared memory, a communicator) must not be
+        released by that :meth:`shutdown`."""
+        return None
+
     def abort(self) -> None:
         """``group.abort()``: fail this rank's pending operations now and, where the backend
         can, its peers' (a backend declares ``abort`` unsupported where it cannot), then

@@ -133,13 +133,15 @@ class ProcessGroup:
         """Each backend object once (one backend may serve several device types)."""
         return list({id(b): b for b in self.backends.values()}.values())
 
-    def shutdown(self) -> None:
-        """Release the backends (once: after :meth:`abort`, nothing is left to release)."""
+    def shutdown(self, released: Sequence[Backend] = ()) -> None:
+        """Release the backends but those already ``released`` (once: after :meth:`abort`,
+        nothing is left to release)."""
         if self.closed:
             return
         self.closed = True
         for backend in self.distinct_backends():
-            backend.shutdown()
+            if not any(backend is done for done in released):
+                backend.shutdown()
 
     def abort(self) -> None:
         """Fail every pending operation of this rank on the group now and, where the backend

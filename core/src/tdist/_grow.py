@@ -93,7 +93,7 @@ def grow_group(min_joiners: int = 0, timeout: Optional[timedelta] = None) -> Any
         dict(STATE.options),
     )
     STATE.group_count = decision["group_count"]
-    _retire(world, new, devices, is_world=True, shut_down=False)
+    _retire(world, new, devices, is_world=True)
     return new.handle
 
 

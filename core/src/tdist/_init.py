@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import urllib.parse
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from . import _bridge as bridging
 from ._backend import Backend, BackendSpec
@@ -185,7 +185,12 @@ def _build_group(
     store: Store,
     timeout: timedelta,
     options: dict[str, Any],
+    derive: Optional[Callable[[str, Store], Optional[Backend]]] = None,
 ) -> ProcessGroup:
+    """The group ``name`` of global ``ranks`` (this process is global rank ``rank``): one
+    backend instance per distinct backend name in ``devices``, each built by its factory
+    over the group's prefixed store -- or by ``derive(backend_name, backend_store)`` where
+    that returns one (``shrink_group``: a backend made from the old group's)."""
     group_store = PrefixStore(name, store)
     backends: dict[str, Backend] = {}
     specs: dict[str, BackendSpec] = {}
@@ -198,8 +203,10 @@ def _build_group(
                     f"backend {backend_name!r} does not serve {device} tensors (it serves {', '.join(spec.devices)})"
                 )
             if backend_name not in by_name:
-                by_name[backend_name] = spec.factory(
-                    store=PrefixStore(backend_name, group_store),
+                backend_store = PrefixStore(backend_name, group_store)
+                derived = derive(backend_name, backend_store) if derive is not None else None
+                by_name[backend_name] = derived or spec.factory(
+                    store=backend_store,
                     rank=ranks.index(rank),
                     world_size=len(ranks),
                     timeout=timeout,

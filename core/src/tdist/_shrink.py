@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 from . import _bridge as bridging
+from ._backend import Backend
 from ._errors import DistError, DistStoreTimeoutError
 from ._failure import agree_now
 from ._groups import STATE, ProcessGroup, resolve_group
@@ -69,8 +70,6 @@ def shrink_group(
     name = f"{pg.name}.shrink{count}"
     _agree(store, f"tdist/{name}/agree", pg.rank, survivors, sorted(excluded), pg.timeout)
     aborted = bool(shrink_flags & SHRINK_ABORT)
-    if aborted:
-        pg.shutdown()
     is_world = pg is STATE.world
     if is_world:  # every other group goes first, as torch does
         for other in [g for g in STATE.groups if g is not pg]:
@@ -81,8 +80,26 @@ def shrink_group(
         ranks, me = list(range(len(survivors))), survivors.index(pg.rank)
     else:
         ranks, me = [pg.ranks[r] for r in survivors], pg.ranks[pg.rank]
-    new = _build_group(name, ranks, me, devices, pg.backend_name, store, pg.timeout, options)
-    _retire(pg, new, devices, is_world, shut_down=aborted)
+    old_backends = {spec.name: pg.backends[device] for device, spec in pg.specs.items()}
+    released: list[Backend] = []  # shut down before the new group was built (SHRINK_ABORT)
+
+    def derive(backend_name: str, backend_store: Store) -> Optional[Backend]:
+        """The old backend's own shrink; None: the factory builds the new one (with
+        SHRINK_ABORT, after the old one is shut down)."""
+        old = old_backends[backend_name]
+        derived = old.shrink(survivors, store=backend_store, global_ranks=ranks, options=dict(options), abort=aborted)
+        if derived is None and aborted:
+            old.shutdown()
+            released.append(old)
+        return derived
+
+    try:
+        new = _build_group(name, ranks, me, devices, pg.backend_name, store, pg.timeout, options, derive)
+    except BaseException:
+        if aborted:
+            pg.shutdown(released)
+        raise
+    _retire(pg, new, devices, is_world, released)
     return new.handle
 
 
@@ -159,15 +176,17 @@ def _agree(store: Store, key: str, me: int, survivors: list[int], excluded: list
         )
 
 
-def _retire(old: ProcessGroup, new: ProcessGroup, devices: dict[str, str], is_world: bool, shut_down: bool) -> None:
+def _retire(
+    old: ProcessGroup, new: ProcessGroup, devices: dict[str, str], is_world: bool, released: Sequence[Backend] = ()
+) -> None:
     """Put ``new`` in ``old``'s place (the default group too, when ``old`` was it) and shut
-    ``old`` down (unless ``shut_down`` already)."""
+    ``old``'s backends down, but those already ``released`` (what a backend's shrink handed
+    to ``new`` survives that)."""
     mirrored = old.torch_group is not None
     if old in STATE.groups:
         STATE.groups.remove(old)
     _announce(plugins().group_destroyed, old)
-    if not shut_down:
-        old.shutdown()
+    old.shutdown(released)
     if is_world:
         bridging.installed().forget_all([old])
         STATE.world = new
