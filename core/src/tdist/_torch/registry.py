@@ -30,6 +30,7 @@ from .._store.torch_adapters import from_torch_store
 from .dynamo import prepare as prepare_for_compile
 from .features import register_backend
 from .process_group import TorchProcessGroup
+from .shrink import install as route_shrink_group
 
 __all__ = ["register_torch_backends", "create_torch_group", "adopting", "torch_backend_string", "mirror", "is_mirrored"]
 
@@ -62,9 +63,11 @@ def is_mirrored(pg: Optional[ProcessGroup]) -> bool:
 
 def mirror(pg: ProcessGroup) -> TorchProcessGroup:
     """The TorchProcessGroup of ``pg`` (made once); tdist's code is made ready for
-    torch.compile (:func:`tdist._torch.dynamo.prepare`) first."""
+    torch.compile (:func:`tdist._torch.dynamo.prepare`) and torch's ``shrink_group`` for
+    tdist's groups (:mod:`tdist._torch.shrink`) first."""
     if pg.torch_group is None:
         prepare_for_compile()
+        route_shrink_group()
         pg.torch_group = TorchProcessGroup(pg, torch_backend_string({d: s.name for d, s in pg.specs.items()}))
     return pg.torch_group
 

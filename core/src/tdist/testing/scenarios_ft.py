@@ -11,6 +11,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from .scenarios import ScenarioContext, _fmt, _info, _w_collectives_until_error, _w_ready, scenario
 from .world import RankFailure
 
@@ -78,10 +80,13 @@ def failed_ranks_agreed(ctx: ScenarioContext, how: str = "kill") -> None:
 
 
 # =========================================================================== shrink
-def _w_shrink_after_loss(seconds: float) -> dict:
+def _w_shrink_after_loss(seconds: float, api: str) -> dict:
     """Loop all_reduce until the lost peer makes it fail, then shrink the default group
-    and a subgroup without it, and use both; report ranks, sizes, sums and timings."""
+    and a subgroup without it -- through tdist's ``shrink_group`` or, with ``api="torch"``,
+    torch.distributed's on the same groups -- and use both; report ranks, sizes, sums
+    and timings."""
     import torch
+    import torch.distributed as td
 
     from ._common import dist
 
@@ -90,14 +95,17 @@ def _w_shrink_after_loss(seconds: float) -> dict:
     failure = _w_collectives_until_error(seconds)
     if failure["type"] is None:
         return {"failure": failure}
+    if api == "torch" and not td.is_initialized():
+        return {"failure": failure, "skipped": "torch.distributed does not see tdist's groups here"}
+    shrink = td.shrink_group if api == "torch" else dist.shrink_group
     started = time.monotonic()
     out: dict = {"failure": failure}
     if old_rank == 0:  # shrink the subgroup first: the world's shrink destroys it
-        alone = dist.shrink_group([1], group=pair)
+        alone = shrink([1], group=pair)
         out["pair"] = dist.get_process_group_ranks(alone)
-    world = dist.shrink_group([n - 1])
+    world = shrink([n - 1])
     t = torch.full((4,), float(old_rank + 1))
-    dist.all_reduce(t)
+    (td if api == "torch" else dist).all_reduce(t)
     out["first_step_s"] = time.monotonic() - started
     out.update(
         rank=dist.get_rank(),
@@ -105,31 +113,35 @@ def _w_shrink_after_loss(seconds: float) -> dict:
         sum=t.tolist(),
         default_is_new=world is dist.group.WORLD,
     )
-    import torch.distributed as td
-
     if td.is_initialized():
         out["torch_size"] = td.get_world_size()
+        out["torch_default_is_new"] = world is td.group.WORLD
     dist.barrier()
     return out
 
 
 @scenario(
+    params=[{"api": "tdist"}, {"api": "torch"}],
     timeout=150,
     requires=("shrink_group",),
     tdist_only="torch's shrink_group is NCCL-only",
     not_with=_NOT_UNDER_MPIRUN,
 )
-def shrink_after_peer_killed(ctx: ScenarioContext) -> None:
+def shrink_after_peer_killed(ctx: ScenarioContext, api: str = "tdist") -> None:
     """A peer SIGKILLed mid all_reduce: the survivors shrink the default group (and a
-    subgroup) without it, with no restart; the new default group is renumbered 0..n-2,
-    torch's default group follows, and collectives on it give the survivors' sums."""
+    subgroup) without it, with no restart -- with tdist's ``shrink_group`` or, on the same
+    groups, torch.distributed's (``api="torch"``: the bridge routes it to tdist); the new
+    default group is renumbered 0..n-2, torch's default group follows, and collectives
+    on it give the survivors' sums."""
     n = 3
     with ctx.spawn(n, pg_timeout=15) as world:
         world.run(_w_ready)
-        pending = world.submit(_w_shrink_after_loss, timeout=100, seconds=60.0)
+        pending = world.submit(_w_shrink_after_loss, timeout=100, seconds=60.0, api=api)
         time.sleep(1.0)
         world.kill_rank(n - 1, signal.SIGKILL)
         outcomes = pending.outcomes()
+    if api == "torch" and not isinstance(outcomes[0], RankFailure) and "skipped" in outcomes[0]:
+        pytest.skip(outcomes[0]["skipped"])
     for r in range(n - 1):
         o = outcomes[r]
         assert not isinstance(o, RankFailure), f"rank {r} failed to shrink: {o}"
@@ -139,6 +151,7 @@ def shrink_after_peer_killed(ctx: ScenarioContext) -> None:
         assert o["default_is_new"], f"rank {r}: shrink_group's result is not the default group"
         if "torch_size" in o:
             assert o["torch_size"] == n - 1, f"rank {r}: torch's default group has {o['torch_size']} ranks"
+            assert o["torch_default_is_new"], f"rank {r}: shrink_group's result is not torch's default group"
     assert outcomes[0]["pair"] == [0], f"the shrunken pair is {outcomes[0]['pair']}"
 
 
