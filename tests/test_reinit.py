@@ -47,6 +47,25 @@ for _ in range(rounds):
 print("REPORT " + json.dumps({"rank": rank, "sums": sums}), flush=True)
 """
 
+SHRINK_AGAIN = """
+import json, os
+from datetime import timedelta
+import torch
+import tdist as dist
+
+rank = int(os.environ["RANK"])
+sums = []
+for lost in (2, 0):  # world 1: ranks 0 and 1 shrink without rank 2; world 2: ranks 1 and 2 without rank 0
+    dist.init_process_group("tcp", timeout=timedelta(seconds=30))
+    if rank != lost:
+        dist.shrink_group([lost])
+        t = torch.ones(2) * (rank + 1)
+        dist.all_reduce(t)
+        sums.append(t[0].item())
+    dist.destroy_process_group()
+print("REPORT " + json.dumps({"rank": rank, "sums": sums}), flush=True)
+"""
+
 MISMATCH = """
 import json, os, time
 from datetime import timedelta
@@ -114,6 +133,19 @@ def test_destroy_and_init_again_under_tdistrun_with_a_token(tmp_path):
     decoder = json.JSONDecoder()
     reports = [decoder.raw_decode(chunk)[0] for chunk in res.stdout.split("REPORT ")[1:]]
     _check_sums(reports, 2)
+
+
+def test_shrink_in_every_world_of_a_process(tmp_path):
+    """A process that shrank the default group of an earlier world meets, in a later world,
+    one that never shrank: their shrunken groups still get one name (a group's shrinks are
+    counted per group, not per process and group name)."""
+    program = tmp_path / "shrink_again.py"
+    program.write_text(SHRINK_AGAIN)
+    port = str(free_port())
+    envs = [base_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(3)]
+    results = run_job([[sys.executable, str(program)]] * 3, envs, timeout=JOB_TIMEOUT)
+    reports = {r["rank"]: r["sums"] for r in map(_report, results)}
+    assert reports == {0: [3.0], 1: [3.0, 5.0], 2: [5.0]}, reports
 
 
 def _mismatch_job(tmp_path, processes: list[tuple[int, int, int]]) -> list[dict]:

@@ -79,6 +79,10 @@ class ProcessGroup:
         #: the members' agreement on failed ranks, once one ran (see :mod:`tdist._failure`)
         self.agreement: Any = None
         self.closed = False  # shut down or aborted
+        #: shrink_group / grow_group calls on this group so far: the n-th names its new group
+        #: ``<name>.shrink<n>`` / ``<name>.grow<n>`` alike on every member (a new group starts at 0)
+        self.shrinks = 0
+        self.grows = 0
 
     @property
     def handle(self) -> Any:

@@ -44,7 +44,6 @@ __all__ = ["join_process_group", "grow_group"]
 
 _SEQ, _TAKEN = "tdist/join/seq", "tdist/join/taken"
 _POLL = 0.05
-_grows: dict[str, int] = {}  # default group name -> how many times this process grew it
 
 
 def grow_group(min_joiners: int = 0, timeout: Optional[timedelta] = None) -> Any:
@@ -64,8 +63,8 @@ def grow_group(min_joiners: int = 0, timeout: Optional[timedelta] = None) -> Any
         )
     limit = (timeout or world.timeout).total_seconds()
     store = STATE.store
-    count = _grows[world.name] = _grows.get(world.name, 0) + 1
-    name = f"{world.name}.grow{count}"
+    world.grows += 1
+    name = f"{world.name}.grow{world.grows}"
     if world.rank == 0:
         decision = _admit(store, name, world.size, min_joiners, limit)
         store.set(f"tdist/{name}/decision", json.dumps(decision))

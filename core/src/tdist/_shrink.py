@@ -37,8 +37,6 @@ SHRINK_DEFAULT = 0x00
 #: Shut the old group down first (its pending operations fail at once), then build the new one.
 SHRINK_ABORT = 0x01
 
-_shrinks: dict[str, int] = {}  # group name -> how many times this process has shrunk it
-
 
 def shrink_group(
     ranks_to_exclude: list[int],
@@ -66,8 +64,8 @@ def shrink_group(
     survivors = [r for r in range(pg.size) if r not in excluded]
     store = STATE.store
     assert store is not None
-    count = _shrinks[pg.name] = _shrinks.get(pg.name, 0) + 1
-    name = f"{pg.name}.shrink{count}"
+    pg.shrinks += 1
+    name = f"{pg.name}.shrink{pg.shrinks}"
     _agree(store, f"tdist/{name}/agree", pg.rank, survivors, sorted(excluded), pg.timeout)
     aborted = bool(shrink_flags & SHRINK_ABORT)
     is_world = pg is STATE.world
