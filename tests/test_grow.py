@@ -6,6 +6,7 @@ tests/test_shrink_training.py; here each bad input is a clear error, nothing han
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 from datetime import timedelta
@@ -31,6 +32,69 @@ JOINER = textwrap.dedent(
         sys.exit(3)
     """
 )
+
+
+MEMBER = textwrap.dedent(
+    """
+    import json, os, signal, time
+    from datetime import timedelta
+    import torch
+    import tdist
+    tdist.init_process_group("tcp", timeout=timedelta(seconds=20))
+    rank = tdist.get_rank()
+    t = torch.ones(1)
+    tdist.all_reduce(t)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        while True:
+            tdist.all_reduce(t)
+    except tdist.DistRankFailureError as exc:
+        failed = list(exc.failed_ranks)
+    tdist.shrink_group(failed)
+    tdist.grow_group(min_joiners=1)
+    t = torch.ones(1) * (tdist.get_rank() + 1)
+    tdist.all_reduce(t)
+    print("REPORT " + json.dumps({"rank": tdist.get_rank(), "size": tdist.get_world_size(), "sum": t.item(),
+                                  "failed": failed}), flush=True)
+    tdist.destroy_process_group()
+    """
+)
+
+NEWCOMER = textwrap.dedent(
+    """
+    import json
+    from datetime import timedelta
+    import torch
+    import tdist
+    tdist.join_process_group("tcp", timeout=timedelta(seconds=60))
+    t = torch.ones(1) * (tdist.get_rank() + 1)
+    tdist.all_reduce(t)
+    print("REPORT " + json.dumps({"rank": tdist.get_rank(), "size": tdist.get_world_size(), "sum": t.item()}),
+          flush=True)
+    tdist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_join_filed_during_a_shrink_is_admitted_by_the_next_grow():
+    """A newcomer files its join while the members lose a rank and shrink: it waits (no
+    error, no half-built group on anyone) and the grow after the shrink admits it."""
+    port = str(free_port())
+    envs = [base_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(3)]
+    envs.append(base_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    cmds = [[sys.executable, "-c", MEMBER]] * 3 + [[sys.executable, "-c", NEWCOMER]]
+    results = run_job(cmds, envs, timeout=100)
+    assert results[2].returncode == -9, results[2].output[-2000:]
+    reports = []
+    for res in results[:2] + results[3:]:
+        lines = res.lines("REPORT ")
+        assert res.returncode == 0 and len(lines) == 1, f"rc {res.returncode}\n{res.output[-3000:]}"
+        reports.append(json.loads(lines[0][len("REPORT ") :]))
+    assert [r["rank"] for r in reports] == [0, 1, 2], reports
+    assert all(r["size"] == 3 and r["sum"] == 6.0 for r in reports), reports
+    assert all(r["failed"] == [2] for r in reports[:2]), reports
 
 
 def _join(port: int, token: str, wait: float) -> str:
