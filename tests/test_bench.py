@@ -147,6 +147,27 @@ def test_recovery_mode(tmp_path):
 
 
 @pytest.mark.slow
+def test_recovery_from_a_cut_link():
+    """``--recovery --hosts 2``: the survivors on host 0 detect the cut host and train on,
+    shrunken; each row has both times, in that order. On gloo, whose timeout names no
+    rank, the cut ranks are declared failed only because they run on another host (their
+    processes, alive in another network namespace, are not taken for local ones)."""
+    from tdist.testing.cluster import unavailable_reason
+
+    why = unavailable_reason()
+    if why:
+        pytest.skip(why)
+    from tdist.bench.recovery_hosts import recovery_hosts_bench
+
+    rows = recovery_hosts_bench(["tcp", "gloo"], hosts=2, per_host=2, timeout=240.0)
+    assert [(r["way"], r["backend"], r["world"], r["hosts"]) for r in rows] == [
+        ("cut", "tcp", 4, 2),
+        ("cut", "gloo", 4, 2),
+    ], rows
+    assert all(0 < r["detect_s"] < r["recover_s"] for r in rows), rows
+
+
+@pytest.mark.slow
 def test_scale_mode(tmp_path):
     """``--scale``: real worlds on tcp and gloo, a simulated world of ranks as threads."""
     out = tmp_path / "scale.json"

@@ -107,14 +107,16 @@ def _window(pg: "ProcessGroup") -> float:
 
 # ----------------------------------------------------------------- process identity
 def _identity() -> dict[str, Any]:
-    """What tells whether another process is on this host (and its pid means something here)."""
+    """What tells whether another process is on this host: the same kernel (boot), pid
+    namespace (its pid means something here) and network namespace (what reaches this
+    process reaches it: containers, or simulated hosts, on one kernel are other hosts)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        pidns = os.stat("/proc/self/ns/pid").st_ino
+        pidns, netns = os.stat("/proc/self/ns/pid").st_ino, os.stat("/proc/self/ns/net").st_ino
     except OSError:
         return {"host": socket.gethostname(), "pid": os.getpid(), "space": None}
-    return {"host": socket.gethostname(), "pid": os.getpid(), "space": f"{boot}:{pidns}"}
+    return {"host": socket.gethostname(), "pid": os.getpid(), "space": f"{boot}:{pidns}:{netns}"}
 
 
 _ME = _identity()

@@ -11,6 +11,7 @@ Examples::
     python -m tdist.bench --ddp                   # torch DDP steps on tdist-tcp vs torch's gloo
     python -m tdist.bench --scale                 # per rank as the world grows: tcp vs gloo, simulated 16..256
     python -m tdist.bench --recovery              # a lost rank: shrink (tcp, gloo) vs a restart + checkpoint
+    python -m tdist.bench --recovery --hosts 2    # one of 2 simulated hosts cut off: shrink (tcp, gloo) (root)
     python -m tdist.bench --torchft               # torchft's recovery from a SIGKILL: tdist-tcp vs torchft's gloo
     python -m tdist.bench --tls                   # tcp over sockets: TLS on vs off (16 MiB all_reduce)
     python -m tdist.bench --hosts 2               # 2 simulated hosts x 2 ranks: tcp vs gloo (root)
@@ -179,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--recovery",
         action="store_true",
         help="time the recovery from a SIGKILLed rank of 4 (torch DDP): shrinking on tcp and gloo against "
-        "tdistrun --max-restarts 1 with a checkpoint reload, instead",
+        "tdistrun --max-restarts 1 with a checkpoint reload, instead; with --hosts H, from the last of H "
+        "simulated hosts' link cut mid-step (root)",
     )
     p.add_argument(
         "--torchft-heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout for --torchft"
@@ -259,7 +261,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.recovery:
         from .recovery import format_recovery, recovery_bench
 
-        rows = recovery_bench(["tcp", "gloo"], timeout=min(args.timeout, 600.0))
+        if args.hosts:  # a host's link cut, on a simulated cluster
+            from .recovery_hosts import recovery_hosts_bench
+
+            rows = recovery_hosts_bench(["tcp", "gloo"], args.hosts, args.ranks_per_host, min(args.timeout, 600.0))
+        else:
+            rows = recovery_bench(["tcp", "gloo"], timeout=min(args.timeout, 600.0))
         print(format_recovery(rows))
         if args.json:
             write_json(args.json, rows, {"mode": "recovery"})

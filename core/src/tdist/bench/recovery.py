@@ -15,6 +15,9 @@ all-reduces).
   (model and optimizer, ``torch.save``) after every step; after the kill the launcher
   stops and restarts every worker, which re-import torch, rendezvous again and load the
   checkpoint. Measured: the kill to the first completed step of the new attempt.
+- ``cut`` (``--recovery --hosts 2``, :mod:`tdist.bench.recovery_hosts`): the same loop on
+  simulated hosts, where instead of a kill the last host's link is cut while its ranks
+  are in the step; the survivors find out by the group's timeout.
 
     python -m tdist.bench --recovery
 """
@@ -34,9 +37,23 @@ from typing import Optional
 
 from .ddp import LAYERS, WIDTH, _model
 
-__all__ = ["recovery_bench", "format_recovery", "KILL_STEP"]
+__all__ = [
+    "recovery_bench",
+    "format_recovery",
+    "KILL_STEP",
+    "LOST_AT",
+    "TIMES",
+    "CUT_ME",
+    "CUT_TIMEOUT_S",
+    "CUT_WINDOW_S",
+]
 
 KILL_STEP, STEPS, BATCH = 3, 6, 16
+#: the files of a run's directory: when the rank was lost, rank 0's times, and (``cut``) the
+#: last rank's call to cut its host's link now
+LOST_AT, TIMES, CUT_ME = "killed_at", "times.json", "cut_me"
+#: the group's timeout and the failure window in the ``cut`` runs: a lost link is found by them
+CUT_TIMEOUT_S, CUT_WINDOW_S = 5.0, 2.0
 _TDISTRUN = [sys.executable, "-c", "import sys; from tdist.launch import main; sys.exit(main())"]
 
 
@@ -68,10 +85,7 @@ def _run(args: list[str], world: int, timeout: float, port: int, launcher: bool)
     try:
         for proc in procs:
             proc.wait(max(0.1, deadline - time.monotonic()))
-        with open(os.path.join(tmp, "times.json")) as f:
-            times = json.load(f)
-        with open(os.path.join(tmp, "killed_at")) as f:
-            killed = float(f.read())
+        row = read_row(tmp, args[0], args[1], world)
     except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
         raise RuntimeError(f"tdist.bench --recovery: {' '.join(args)} did not finish: {exc}") from None
     finally:
@@ -79,32 +93,50 @@ def _run(args: list[str], world: int, timeout: float, port: int, launcher: bool)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(tmp, ignore_errors=True)
+    return row
+
+
+def read_row(tmp: str, way: str, backend: str, world: int) -> dict:
+    """A run's row from the files its workers (and the bench) left in ``tmp``."""
+    with open(os.path.join(tmp, TIMES)) as f:
+        times = json.load(f)
+    with open(os.path.join(tmp, LOST_AT)) as f:
+        lost = float(f.read())
     detect = times.get("caught_at")
     return {
-        "way": args[0],
-        "backend": args[1],
+        "way": way,
+        "backend": backend,
         "world": world,
-        "detect_s": None if detect is None else detect - killed,
-        "recover_s": times["recovered_at"] - killed,
+        "detect_s": None if detect is None else detect - lost,
+        "recover_s": times["recovered_at"] - lost,
     }
 
 
 def format_recovery(rows: list[dict]) -> str:
     restart = next((r["recover_s"] for r in rows if r["way"] == "restart"), None)
+    lost = "a host cut off the network" if rows[0]["way"] == "cut" else "a SIGKILLed rank"
     lines = [
-        f"recovery from a SIGKILLed rank, world {rows[0]['world']}, torch DDP, "
+        f"recovery from {lost}, world {rows[0]['world']}, torch DDP, "
         f"{LAYERS} x Linear({WIDTH}, {WIDTH}) (4.2M parameters):",
         f"  {'way':<28}  {'detect':>9}  {'first step':>10}  {'vs restart':>10}",
     ]
     for row in rows:
-        name = f"{row['way']} ({row['backend']})" if row["way"] == "shrink" else "tdistrun --max-restarts 1"
+        name = "tdistrun --max-restarts 1" if row["way"] == "restart" else f"{row['way']} ({row['backend']})"
+        if row["way"] == "cut":
+            name = f"link cut, shrink ({row['backend']})"
         detect = "-" if row["detect_s"] is None else f"{row['detect_s'] * 1e3:6.0f} ms"
         ratio = f"{row['recover_s'] / restart:9.3f}x" if restart else "-"
         lines.append(f"  {name:<28}  {detect:>9}  {row['recover_s'] * 1e3:7.0f} ms  {ratio:>10}")
     lines.append(
-        "  (detect: the kill to the survivors' error; first step: to the first completed step after it,\n"
+        "  (detect: the loss to the survivors' error; first step: to the first completed step after it,\n"
         "   on the shrunken group or in the restarted attempt; targets: <= 1 s on tcp, <= 0.1x the restart)"
     )
+    if any(r["way"] == "cut" for r in rows):
+        hosts = next(r["hosts"] for r in rows if r["way"] == "cut")
+        lines.append(
+            f"  (link cut: {hosts} simulated hosts, the last host's link cut mid-step; from the cut; the group's\n"
+            f"   timeout is {CUT_TIMEOUT_S:g} s and TDIST_FAILURE_WINDOW {CUT_WINDOW_S:g} s: a silent link is found by them)"
+        )
     return "\n".join(lines)
 
 
@@ -116,7 +148,7 @@ def _worker(tmp: str, way: str, backend: str) -> None:
     import tdist
 
     torch.set_num_threads(1)
-    tdist.init_process_group(backend, timeout=timedelta(seconds=10))
+    tdist.init_process_group(backend, timeout=timedelta(seconds=CUT_TIMEOUT_S if way == "cut" else 10.0))
     first_rank, n = tdist.get_rank(), tdist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     net = _model()
@@ -139,9 +171,7 @@ def _worker(tmp: str, way: str, backend: str) -> None:
         try:
             out = ddp(x[rank::world])
             if step == KILL_STEP and first_rank == n - 1 and attempt == 0:
-                with open(os.path.join(tmp, "killed_at"), "w") as f:
-                    f.write(repr(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
+                _lose_this_rank(tmp, way)
             F.mse_loss(out, y[rank::world]).backward()
         except Exception:  # torch's DDP raises a RuntimeError naming tdist's DistRankFailureError
             times["caught_at"] = time.time()
@@ -157,9 +187,22 @@ def _worker(tmp: str, way: str, backend: str) -> None:
             os.replace(checkpoint + ".tmp", checkpoint)
     if first_rank == 0 and first_after is not None:
         times["recovered_at"] = first_after
-        with open(os.path.join(tmp, "times.json"), "w") as f:
+        with open(os.path.join(tmp, TIMES), "w") as f:
             json.dump(times, f)
     tdist.destroy_process_group()
+
+
+def _lose_this_rank(tmp: str, way: str) -> None:
+    """Kill this process; or (``cut``) have the bench cut this host's link, and go on into
+    the step's all-reduces once it has (they then reach nobody)."""
+    if way != "cut":
+        with open(os.path.join(tmp, LOST_AT), "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    open(os.path.join(tmp, CUT_ME), "w").close()
+    deadline = time.monotonic() + 60.0
+    while not os.path.exists(os.path.join(tmp, LOST_AT)) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 if __name__ == "__main__":

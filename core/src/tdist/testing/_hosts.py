@@ -15,7 +15,7 @@ import time
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from ._hostinit import kill_netns, netns_inode, processes_in_netns
-from ._netns import IFNAME, SETUP_TIMEOUT, ClusterError, parse_rate, python_script, read_line, tc_rate
+from ._netns import IFNAME, SETUP_TIMEOUT, ClusterError, parse_rate, python_script, read_line, setup, tc_rate
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -231,11 +231,20 @@ class Host:
         raise ClusterError(f"{self.hostname}: no {self.ifname} in /proc/net/dev")
 
     def set_link(
-        self, *, rate: Union[None, str, int, float, _Keep] = KEEP, delay: Union[None, float, _Keep] = KEEP
+        self,
+        *,
+        rate: Union[None, str, int, float, _Keep] = KEEP,
+        delay: Union[None, float, _Keep] = KEEP,
+        up: Union[bool, _Keep] = KEEP,
     ) -> None:
         """Shape this host's link: ``rate`` in bits per second (or ``"1gbit"``; None:
         unlimited), both directions; ``delay``: seconds added to every frame the host
-        sends (needs a cluster with a delay line). Left out (:data:`KEEP`): unchanged."""
+        sends (needs a cluster with a delay line); ``up=False`` cuts the link at the
+        switch (every frame to and from the host is lost and nobody is told, as when a
+        cable is pulled), ``up=True`` mends it. Left out (:data:`KEEP`): unchanged."""
+        if not isinstance(up, _Keep):
+            state = "up" if up else "down"
+            setup(["ip", "-n", self.cluster.switch_netns, "link", "set", self.switch_port, state])
         if not isinstance(delay, _Keep):
             seconds = float(delay or 0.0)
             if seconds < 0:
