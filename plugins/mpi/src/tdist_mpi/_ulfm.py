@@ -95,6 +95,7 @@ class Failures:
         self._comm = comm
         self._global_ranks = list(global_ranks)
         self._classes = frozenset((MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED))
+        self._revoked = MPI.ERR_REVOKED
         self._Exception = MPI.Exception
         #: what this rank did when it revoked the communicator itself (abort, SHRINK_ABORT)
         self.given_up = ""
@@ -112,9 +113,10 @@ class Failures:
             mine = DistBackendError(f"mpi backend: {operation}: this rank {self.given_up}")
             mine.__cause__ = exc
             return mine
-        note_ranks_lost()
         self.revoke()
         failed = self.failed_global_ranks()
+        if failed or cls != self._revoked:  # a member failed (a revocation alone may be a peer's abort)
+            note_ranks_lost()
         error = mpi_error(operation, exc)
         if isinstance(error, DistBackendError):
             named = f"global rank(s) {failed} failed" if failed else "a member failed or aborted the group"
