@@ -209,6 +209,100 @@ def test_started_by_a_launcher_that_is_not_mpi_is_refused(mpi_ready, tmp_path):
     assert "start the program with mpirun -n N" in out, out[-4000:]
 
 
+# ------------------------------------------------------ fault tolerance (ULFM)
+def _ulfm_or_skip() -> tuple[str, ...]:
+    from tdist_mpi._ulfm import LAUNCH_ARGS, library_has_ulfm
+
+    if not library_has_ulfm():
+        pytest.skip("this MPI library has no fault tolerance (ULFM)")
+    return LAUNCH_ARGS
+
+
+@pytest.mark.parametrize("mode", ["kill", "stop", "kill0"])
+def test_survivors_shrink_and_finish_under_ulfm(mpi_ready, mode):
+    """mpirun --with-ft ulfm, 4 ranks: the last rank is SIGKILLed (or SIGSTOPped past the
+    timeout; or rank 0 is SIGKILLed, the job's store being served outside the job) at step
+    5 of 12; the survivors agree it failed, shrink the default group and a subgroup, redo
+    the step and finish with the survivors' sums; the job exits 0."""
+    from datetime import timedelta
+
+    import tdist
+
+    args = [mode]
+    store = None
+    if mode == "kill0":
+        store = tdist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+        args.append(str(store.port))
+    try:
+        result = run_mpi(4, "survive.py", *args, timeout=240, mpirun_args=_ulfm_or_skip())
+    finally:
+        if store is not None:
+            store.close()
+    out = result.output
+    assert result.returncode == 0, out[-4000:]
+    lost = 0 if mode == "kill0" else 3
+    survivors = [r for r in range(4) if r != lost]
+    failed = result.lines("FAILED")
+    assert len(failed) == 3 and all(f" [{lost}] " in line for line in failed), out[-4000:]
+    kind = "DistRankFailureTimeoutError" if mode == "stop" else "DistRankFailureError "
+    assert all(kind in line + " " for line in failed), failed
+    assert result.lines("PAIR") == [f"PAIR [{3 if lost == 0 else 0}]"], out[-4000:]
+    before, after = 10.0, 10.0 - (lost + 1)  # 1+2+3+4, then without the lost rank from the redone step 5 on
+    expected = [before] * 5 + [after] * 7
+    for new, rank in enumerate(survivors):
+        assert result.lines(f"SHRUNK {rank} -> {new}/3"), out[-4000:]
+        assert result.lines(f"SUMS {rank} ") == [f"SUMS {rank} {expected}"], out[-4000:]
+        assert result.lines(f"DONE {rank}"), out[-4000:]
+    assert not result.lines(f"DONE {lost}"), out[-4000:]
+
+
+def test_without_ulfm_shrink_and_abort_say_how_to_launch(mpi_ready, tmp_path):
+    """Under a plain mpirun the spec declares shrink_group, abort and peer_failure
+    unsupported, naming --with-ft ulfm, and shrink_group refuses before communicating."""
+    _ulfm_or_skip()
+    code = textwrap.dedent(
+        """
+        import tdist as dist
+        spec = dist.get_backend_spec("mpi")
+        unsupported = spec.extra["unsupported"]
+        for key in ("shrink_group", "abort", "peer_failure"):
+            assert "--with-ft ulfm" in unsupported[key], (key, unsupported.get(key))
+        dist.init_process_group("mpi")
+        try:
+            dist.shrink_group([1 - dist.get_rank()])
+        except TypeError as exc:
+            print("REFUSED", dist.get_rank(), exc, flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        """
+    )
+    program = tmp_path / "refuse.py"
+    program.write_text(code)
+    result = run_mpi(2, str(program), timeout=120)
+    assert result.returncode == 0, result.output[-4000:]
+    refused = result.lines("REFUSED")
+    assert len(refused) == 2 and all("mpirun --with-ft ulfm" in line for line in refused), result.output[-4000:]
+
+
+def test_spec_outside_a_job_declares_fault_tolerance(mpi_ready):
+    """Outside mpirun (the kit's controller, the docs) a library with ULFM means the
+    features are supported, and the spec tells the kit to launch with --with-ft ulfm;
+    TDIST_MPI_ULFM=0 turns it off."""
+    _ulfm_or_skip()
+    check = """
+        import tdist
+        spec = tdist.get_backend_spec("mpi")
+        print("UNSUPPORTED", sorted(spec.extra["unsupported"]))
+        print("ARGS", list(spec.extra["mpirun_args"]))
+        """
+    on = _python(check)
+    assert on.returncode == 0, on.stdout + on.stderr
+    assert "'shrink_group'" not in on.stdout and "'abort'" not in on.stdout, on.stdout
+    assert "ARGS ['--with-ft', 'ulfm']" in on.stdout, on.stdout
+    off = _python(check, env={"TDIST_MPI_ULFM": "0"})
+    assert "'shrink_group'" in off.stdout and "'abort'" in off.stdout and "'peer_failure'" in off.stdout, off.stdout
+
+
 # -------------------------------------------------------------------- benchmark
 def test_bench_overhead_runs(mpi_ready):
     result = run_mpi(2, str(ROOT / "bench_overhead.py"), "--sizes", "4,65536", "--rounds", "2", timeout=120)

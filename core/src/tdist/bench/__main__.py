@@ -10,7 +10,7 @@ Examples::
     python -m tdist.bench --store                           # TCPStore: tdist against torch's
     python -m tdist.bench --ddp                   # torch DDP steps on tdist-tcp vs torch's gloo
     python -m tdist.bench --scale                 # per rank as the world grows: tcp vs gloo, simulated 16..256
-    python -m tdist.bench --recovery              # a lost rank: shrink (tcp, gloo) vs a restart + checkpoint
+    python -m tdist.bench --recovery              # a lost rank: shrink (tcp, gloo, mpi) vs a restart + checkpoint
     python -m tdist.bench --recovery --hosts 2    # one of 2 simulated hosts cut off: shrink (tcp, gloo) (root)
     python -m tdist.bench --torchft               # torchft's recovery from a SIGKILL: tdist-tcp vs torchft's gloo
     python -m tdist.bench --tls                   # tcp over sockets: TLS on vs off (16 MiB all_reduce)
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--recovery",
         action="store_true",
-        help="time the recovery from a SIGKILLed rank of 4 (torch DDP): shrinking on tcp and gloo against "
+        help="time the recovery from a SIGKILLed rank of 4 (torch DDP): shrinking on tcp, gloo and mpi against "
         "tdistrun --max-restarts 1 with a checkpoint reload, instead; with --hosts H, from the last of H "
         "simulated hosts' link cut mid-step (root)",
     )
@@ -259,14 +259,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             write_json(args.json, rows, {"mode": "scale"})
         return 0
     if args.recovery:
-        from .recovery import format_recovery, recovery_bench
+        from .recovery import format_recovery, recovery_backends, recovery_bench
 
         if args.hosts:  # a host's link cut, on a simulated cluster
             from .recovery_hosts import recovery_hosts_bench
 
             rows = recovery_hosts_bench(["tcp", "gloo"], args.hosts, args.ranks_per_host, min(args.timeout, 600.0))
         else:
-            rows = recovery_bench(["tcp", "gloo"], timeout=min(args.timeout, 600.0))
+            rows = recovery_bench(recovery_backends(), timeout=min(args.timeout, 600.0))
         print(format_recovery(rows))
         if args.json:
             write_json(args.json, rows, {"mode": "recovery"})

@@ -10,7 +10,8 @@ all-reduces).
 - ``shrink`` (per backend): the survivors catch DDP's error, ``shrink_group`` the ranks
   :func:`tdist.failed_ranks` names away, build a new DDP and redo the step. Measured:
   the kill to the survivors' error (*detect*) and to their first completed step on the
-  shrunken group (*recover*).
+  shrunken group (*recover*). A backend whose ranks share one ``mpirun`` (mpi) runs
+  under it, with what its spec asks for (``--with-ft ulfm``).
 - ``restart``: the same program under ``tdistrun --max-restarts 1``, checkpointing
   (model and optimizer, ``torch.save``) after every step; after the kill the launcher
   stops and restarts every worker, which re-import torch, rendezvous again and load the
@@ -33,12 +34,15 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Sequence
 
+from .._local import mpirun_env
+from ..testing.processes import JOB_MARKER, kill_marked
 from .ddp import LAYERS, WIDTH, _model
 
 __all__ = [
     "recovery_bench",
+    "recovery_backends",
     "format_recovery",
     "KILL_STEP",
     "LOST_AT",
@@ -63,12 +67,51 @@ def recovery_bench(backends: list[str], world: int = 4, timeout: float = 300.0) 
 
     rows = []
     for backend in backends:
-        rows.append(_run(["shrink", backend], world, timeout, free_port(), launcher=False))
+        mpirun = _mpirun_command(backend, world)
+        rows.append(_run(["shrink", backend], world, timeout, free_port(), launcher=False, mpirun=mpirun))
     rows.append(_run(["restart", "tcp"], world, timeout, free_port(), launcher=True))
     return rows
 
 
-def _run(args: list[str], world: int, timeout: float, port: int, launcher: bool) -> dict:
+def recovery_backends(candidates: Sequence[str] = ("tcp", "gloo", "mpi")) -> list[str]:
+    """The ``candidates`` that can shrink a group here (available, ``shrink_group`` not
+    declared unsupported, ``mpirun`` found where the backend needs it); the others are
+    named on stderr."""
+    import tdist
+    from tdist.testing import find_mpirun
+
+    usable = []
+    for name in candidates:
+        try:
+            spec = tdist.get_backend_spec(name)
+        except tdist.DistError as exc:
+            print(f"tdist.bench --recovery: {name} skipped: {exc}", file=sys.stderr)
+            continue
+        why = spec.available or (spec.extra or {}).get("unsupported", {}).get("shrink_group")
+        if not why and spec.launcher == "mpirun" and not find_mpirun():
+            why = "mpirun not found"
+        if why:
+            print(f"tdist.bench --recovery: {name} skipped: {why}", file=sys.stderr)
+        else:
+            usable.append(name)
+    return usable
+
+
+def _mpirun_command(backend: str, world: int) -> Optional[list[str]]:
+    """``mpirun -n world ...`` for a backend whose ranks share one mpirun, else None."""
+    import tdist
+    from tdist.testing import find_mpirun
+
+    spec = tdist.get_backend_spec(backend)
+    if spec.launcher != "mpirun":
+        return None
+    extra = [str(a) for a in (spec.extra or {}).get("mpirun_args", ())]
+    return [find_mpirun() or "mpirun", "-n", str(world), "--oversubscribe", "--bind-to", "none", *extra]
+
+
+def _run(
+    args: list[str], world: int, timeout: float, port: int, launcher: bool, mpirun: Optional[list[str]] = None
+) -> dict:
     tmp = tempfile.mkdtemp(prefix="tdist-bench-recovery-")
     worker = [sys.executable, "-m", "tdist.bench.recovery", "--worker", tmp, *args]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
@@ -76,6 +119,9 @@ def _run(args: list[str], world: int, timeout: float, port: int, launcher: bool)
         cmd = [*_TDISTRUN, "--nproc-per-node", str(world), "--max-restarts", "1", "--no-prefix"]
         cmd += ["--master-port", str(port), "-m", "tdist.bench.recovery", "--worker", tmp, *args]
         procs = [subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL)]
+    elif mpirun is not None:  # every rank under one mpirun; MPI gives the ranks
+        env = mpirun_env({**env, JOB_MARKER: tmp}, tmp)
+        procs = [subprocess.Popen([*mpirun, *worker], env=env, start_new_session=True)]
     else:
         procs = [
             subprocess.Popen(worker, env={**env, "RANK": str(r), "WORLD_SIZE": str(world)}, start_new_session=True)
@@ -92,6 +138,8 @@ def _run(args: list[str], world: int, timeout: float, port: int, launcher: bool)
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+        if mpirun is not None:
+            kill_marked(tmp)  # mpirun's ranks are not in its process group
         shutil.rmtree(tmp, ignore_errors=True)
     return row
 

@@ -76,6 +76,7 @@ TORCH_BACKENDS: dict[str, dict[str, Any]] = {
             "timeout_names_ranks": "an MPI request does not tell which ranks have not arrived",
             "p2p_dtype_check": "MPI does not check that sender and receiver use one datatype",
             "shrink_group": "torch's shrink_group is NCCL-only",
+            "peer_failure": "under mpirun a rank killed by a signal ends the whole job (torch's mpi has no ULFM)",
         },
     },
     "nccl": {

@@ -153,6 +153,19 @@ def spec_launcher(backend: str) -> Optional[str]:
         return None
 
 
+def spec_mpirun_args(backend: str) -> list[str]:
+    """What ``mpirun`` needs for ``backend``'s declared features: its spec's
+    ``extra["mpirun_args"]`` (tdist-mpi: ``--with-ft ulfm`` where MPI has fault tolerance)."""
+    if dist_module_name().split(".")[0] != "tdist":
+        return []
+    import tdist
+
+    try:
+        return [str(arg) for arg in (tdist.get_backend_spec(backend).extra or {}).get("mpirun_args", ())]
+    except tdist.DistError:
+        return []
+
+
 class WorldPool:
     """The session's worlds, one per (backend, world size), started on first use."""
 
@@ -188,11 +201,13 @@ class WorldPool:
         return choice
 
     def world_kwargs(self, backend: str) -> dict:
+        launcher = self.launcher(backend)
         return {
-            "launcher": self.launcher(backend),
+            "launcher": launcher,
             "init_method": self.config.getoption("tdist_init_method", "env://"),
             "pg_timeout": self.config.getoption("tdist_pg_timeout", 30.0),
             "dist_module": dist_module_name(),
+            "mpirun_args": spec_mpirun_args(backend) if launcher == "mpi" else [],
         }
 
     # ----------------------------------------------------------------- worlds
@@ -280,7 +295,7 @@ def tdist_scenario(request: Any) -> ScenarioContext:
         backend=backend,
         dist_module=kwargs.pop("dist_module"),
         launcher=kwargs.pop("launcher"),
-        world_kwargs={"init_method": kwargs["init_method"]},
+        world_kwargs={"init_method": kwargs["init_method"], "mpirun_args": kwargs["mpirun_args"]},
     )
 
 

@@ -168,7 +168,6 @@ def _w_ready() -> int:
 @scenario(
     timeout=120,
     requires=("peer_failure",),
-    not_with={"mpi": "under mpirun a rank killed by a signal aborts the whole job (prterun policy)"},
 )
 def peer_killed_mid_collective(ctx: ScenarioContext) -> None:
     """A peer SIGKILLed while the others are in all_reduce: every survivor raises

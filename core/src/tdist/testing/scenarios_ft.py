@@ -18,8 +18,6 @@ from .world import RankFailure
 
 __all__: list[str] = []
 
-_NOT_UNDER_MPIRUN = {"mpi": "under mpirun a rank killed by a signal aborts the whole job (prterun policy)"}
-
 
 # =========================================================================== agreed failure
 def _w_until_failure(seconds: float) -> dict:
@@ -50,7 +48,6 @@ def _failed_ranks_of(outcome: dict) -> list:
     timeout=150,
     requires=("peer_failure",),
     tdist_only="the agreed DistRankFailureError is tdist's",
-    not_with=_NOT_UNDER_MPIRUN,
 )
 def failed_ranks_agreed(ctx: ScenarioContext, how: str = "kill") -> None:
     """A rank SIGKILLed, or SIGSTOPped past the group's timeout, mid all_reduce: every
@@ -125,7 +122,6 @@ def _w_shrink_after_loss(seconds: float, api: str) -> dict:
     timeout=150,
     requires=("shrink_group",),
     tdist_only="torch's shrink_group is NCCL-only",
-    not_with=_NOT_UNDER_MPIRUN,
 )
 def shrink_after_peer_killed(ctx: ScenarioContext, api: str = "tdist") -> None:
     """A peer SIGKILLed mid all_reduce: the survivors shrink the default group (and a
@@ -181,7 +177,6 @@ def _w_abort_pending(abort_after: float) -> dict:
     timeout=120,
     requires=("peer_failure", "abort"),
     tdist_only="torch's abort of a non-NCCL group is not guaranteed to unblock the peers",
-    not_with=_NOT_UNDER_MPIRUN,
 )
 def abort_unblocks_peers(ctx: ScenarioContext) -> None:
     """``group.WORLD.abort()`` on one rank, while it and a peer wait in an all_reduce that

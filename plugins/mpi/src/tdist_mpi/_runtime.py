@@ -25,6 +25,8 @@ __all__ = [
     "availability",
     "cuda_aware",
     "mpi_error",
+    "libmpi",
+    "note_ranks_lost",
     "check_collectives_default",
     "ABORT_ENV",
     "CUDA_ENV",
@@ -65,6 +67,18 @@ def availability() -> Optional[str]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"mpi4py cannot load an MPI library ({first}); {_INSTALL_HINT}"
     return None
+
+
+def libmpi() -> Any:
+    """The MPI library as mpi4py loads it (a ctypes ``CDLL``: dlopen only, no MPI_Init),
+    None when it cannot be loaded this way (an older mpi4py, no library)."""
+    try:
+        from mpi4py import _mpiabi  # mpi4py >= 4: how mpi4py itself finds libmpi
+
+        abi: Any = _mpiabi  # mpi4py's private loader module: its stubs do not list _dlopen_libmpi
+        return abi._dlopen_libmpi(abi.LIBMPI or os.environ.get("MPI4PY_LIBMPI"))
+    except Exception:  # noqa: BLE001 - any failure means "cannot tell"
+        return None
 
 
 def check_collectives_default() -> bool:
@@ -110,6 +124,18 @@ class Runtime:
 
 _runtime: Optional[Runtime] = None
 _init_lock = threading.Lock()
+#: True once this process lost a peer under MPI's fault tolerance (an operation failed
+#: because a member failed, or shrink_group left ranks behind): MPI is then not finalised
+#: at exit. Open MPI's MPI_Finalize waits in a fence over every process of the job, which
+#: a stopped rank holds up until it ends and a lost rank 0 can hold up for good (measured:
+#: about 1 run in 3); under ULFM a rank that exits without it ends the job normally.
+ranks_lost = False
+
+
+def note_ranks_lost() -> None:
+    """Record that this process lost a peer under MPI's fault tolerance (see :data:`ranks_lost`)."""
+    global ranks_lost
+    ranks_lost = True
 
 
 def runtime() -> Runtime:
@@ -144,7 +170,7 @@ def _start() -> Runtime:
             import atexit
 
             def _finalize() -> None:
-                if not MPI.Is_finalized():
+                if not MPI.Is_finalized() and not ranks_lost:
                     MPI.Finalize()
 
             atexit.register(_finalize)
@@ -189,7 +215,6 @@ def _init_without_gil(respect_rc: bool) -> bool:
 
     try:
         import mpi4py
-        from mpi4py import _mpiabi  # mpi4py >= 4: how mpi4py itself finds libmpi
 
         rc = mpi4py.rc
         initialize = os.environ.get("MPI4PY_RC_INITIALIZE", str(rc.initialize)).strip().lower() in _TRUE
@@ -198,8 +223,9 @@ def _init_without_gil(respect_rc: bool) -> bool:
         threads = os.environ.get("MPI4PY_RC_THREADS", str(rc.threads)).strip().lower() in _TRUE
         level_name = os.environ.get("MPI4PY_RC_THREAD_LEVEL", rc.thread_level).strip().lower()
         level = _LEVELS.get(level_name, 3) if threads else 0
-        abi: Any = _mpiabi  # mpi4py's private loader module: its stubs do not list _dlopen_libmpi
-        lib = abi._dlopen_libmpi(abi.LIBMPI or os.environ.get("MPI4PY_LIBMPI"))
+        lib = libmpi()
+        if lib is None:
+            return False
         flag = ctypes.c_int(0)
         if lib.MPI_Initialized(ctypes.byref(flag)) != 0 or flag.value:
             return False
@@ -215,6 +241,8 @@ def _init_without_gil(respect_rc: bool) -> bool:
     import atexit
 
     def finalize() -> None:
+        if ranks_lost:
+            return
         done = ctypes.c_int(0)
         if lib.MPI_Finalized(ctypes.byref(done)) == 0 and not done.value:
             lib.MPI_Finalize()

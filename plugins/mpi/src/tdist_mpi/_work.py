@@ -1,8 +1,11 @@
 """``MPIWork``: a tdist Work backed by one MPI request, completed by polling ``Test()``.
 
-``wait(timeout)`` tests the request until it completes or the deadline passes
-(then :class:`tdist.DistBackendTimeoutError`; the request stays pending, its
-buffers referenced). Polling: batches of 64 back-to-back ``Test()`` calls (with
+``wait(timeout)`` tests the request until it completes or the deadline passes,
+then raises :class:`tdist.DistBackendTimeoutError`. A caller's own ``timeout`` leaves the
+request pending (a later wait may still see it complete); the group's timeout (``wait()``)
+fails the operation: its request is given up (a receive is cancelled), its buffers stay
+referenced, and the error is a collective's timeout, from which the core's failure
+agreement finds a stopped or lost rank. Polling: batches of 64 back-to-back ``Test()`` calls (with
 Open MPI each one also moves transfers on), for the first 10 ms without pause, then
 with a ``sleep(0)`` yield between batches until 1 s, then one test per 200 µs nap, so
 a rank waiting long for a slow peer does not hog a core. ``is_completed`` tests once.
@@ -19,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from tdist import Work
+from tdist import DistBackendTimeoutError, Work
 
 from ._runtime import mpi_error, runtime
 
@@ -41,9 +44,21 @@ _SPIN_TRIES = 64  # Test() calls per lock hold and clock check while spinning
 
 class MPIWork(Work):
     """One MPI request; ``finalize`` (copy staged results out, divide for AVG) runs once,
-    in the thread that sees the request complete, before the work is marked done."""
+    in the thread that sees the request complete, before the work is marked done;
+    ``convert(operation, exc)`` makes the tdist error of an ``MPI.Exception`` the request
+    completed with (default :func:`mpi_error`; the backend's names a lost rank)."""
 
-    __slots__ = ("_req", "_status", "_finalize", "_outputs", "_keep", "_mpilock", "_test_lock", "__weakref__")
+    __slots__ = (
+        "_req",
+        "_status",
+        "_finalize",
+        "_outputs",
+        "_keep",
+        "_mpilock",
+        "_convert",
+        "_test_lock",
+        "__weakref__",
+    )
 
     def __init__(
         self,
@@ -55,6 +70,7 @@ class MPIWork(Work):
         keep: Any = None,
         status: Any = None,
         mpilock: Any = None,
+        convert: Optional[Callable[[str, BaseException], BaseException]] = None,
     ) -> None:
         Work.__init__(self, op, timeout)
         self._test_lock = _Lock()
@@ -64,6 +80,7 @@ class MPIWork(Work):
         self._outputs = outputs
         self._keep = keep  # tensors MPI may still read or write (buffers are bare addresses)
         self._mpilock = mpilock  # None with MPI_THREAD_MULTIPLE
+        self._convert = convert or mpi_error  # an MPI.Exception as the tdist error to raise
 
     # --------------------------------------------------------------- polling
     def _test(self, tries: int = 1) -> int:
@@ -104,7 +121,7 @@ class MPIWork(Work):
                         return _PENDING
             except runtime().MPI.Exception as exc:  # evaluated only when Test() raised (MPI is loaded)
                 self._req = None
-                error: Optional[BaseException] = mpi_error(self.op, exc)
+                error: Optional[BaseException] = self._convert(self.op, exc)
             else:
                 self._req = None
                 error = None
@@ -144,6 +161,18 @@ class MPIWork(Work):
         _ABANDONED.append((req, self._keep, self._outputs))
         self._keep = self._finalize = None
         self.set_exception(error)
+
+    def wait(self, timeout: Any = None) -> bool:
+        if timeout is None and not self._done and self.default_timeout is not None:
+            limit = self.default_timeout
+            if not self._block(limit):
+                self.abandon(
+                    DistBackendTimeoutError(
+                        f"mpi backend: {self.op} did not complete within the group's timeout ({limit:g} s): "
+                        "a member has not taken part (MPI does not say which)"
+                    )
+                )
+        return Work.wait(self, timeout)
 
     # ------------------------------------------------------- the Work template
     def _poll(self) -> bool:

@@ -20,7 +20,9 @@ import torch
 from tdist.plugin import Backend, DistBackendError, ReduceOp, Reduction, Work, finalize_, premul_factor
 
 from ._dtypes import Plan, Tables, buffer
-from ._runtime import Runtime, check_collectives_default, mpi_error, runtime
+from ._runtime import Runtime, check_collectives_default, mpi_error, note_ranks_lost, runtime
+from ._ulfm import Failures, communicator_of
+from ._ulfm import problem as ulfm_problem
 from ._work import MPIWork
 
 __all__ = ["MPIBackend", "create_backend"]
@@ -30,6 +32,9 @@ _AVG = Reduction(ReduceOp.AVG)
 
 MPIException: Any = None
 _tables: Optional[Tables] = None
+#: tdist global rank -> MPI_COMM_WORLD rank, once shrink_group renumbered the default
+#: group (None: the same numbers). Groups are communicators over MPI_COMM_WORLD's ranks.
+_world_rank_of: Optional[dict[int, int]] = None
 
 
 def _bind(rt: Runtime) -> Tables:
@@ -51,12 +56,27 @@ def _flat_cat(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = No
 
 
 class MPIBackend(Backend):
-    """One process group over one MPI communicator (group rank == communicator rank)."""
+    """One process group over one MPI communicator (group rank == communicator rank).
+
+    ``world_ranks``: the MPI_COMM_WORLD rank of each group rank; ``global_ranks``: the
+    tdist global rank of each (both default to ``0 .. size-1``); ``ft``: MPI's fault
+    tolerance (ULFM) is on: a lost member revokes the communicator and is named in the
+    error, ``abort`` revokes it, ``shrink`` builds the survivors' communicator."""
 
     name = "mpi"
 
     def __init__(
-        self, rt: Runtime, comm: Any, rank: int, size: int, timeout: timedelta, check_collectives: bool = False
+        self,
+        rt: Runtime,
+        comm: Any,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        check_collectives: bool = False,
+        *,
+        world_ranks: Optional[Sequence[int]] = None,
+        global_ranks: Optional[Sequence[int]] = None,
+        ft: bool = False,
     ) -> None:
         super().__init__(rank, size, timeout)
         MPI = rt.MPI
@@ -74,6 +94,13 @@ class MPIBackend(Backend):
         self._tag_ub = int(tag_ub) if tag_ub else 32767
         self.check_collectives = check_collectives
         self._works: "weakref.WeakSet[MPIWork]" = weakref.WeakSet()  # failed by shutdown if still pending
+        self._world_ranks = list(world_ranks) if world_ranks is not None else list(range(size))
+        self._global_ranks = list(global_ranks) if global_ranks is not None else list(range(size))
+        self._failures = Failures(rt, comm, self._global_ranks) if ft else None
+        #: an MPI.Exception of an operation as the tdist error to raise
+        self._convert: Callable[[str, BaseException], BaseException] = (
+            self._failures.error if self._failures is not None else mpi_error
+        )
 
     # ------------------------------------------------------------------ helpers
     def _issue(
@@ -89,8 +116,8 @@ class MPIBackend(Backend):
             with self._lock:
                 req = call()
         except MPIException as exc:
-            raise mpi_error(operation, exc) from exc
-        work = MPIWork(operation, req, self._t, outputs, finalize, keep, status, self._wlock)
+            raise self._convert(operation, exc) from exc
+        work = MPIWork(operation, req, self._t, outputs, finalize, keep, status, self._wlock, self._convert)
         self._works.add(work)
         return work
 
@@ -156,8 +183,8 @@ class MPIBackend(Backend):
                     with self._wlock:
                         req = self._comm.Iallreduce(self._IN_PLACE, [buf, plan.dt], plan.op)
             except MPIException as exc:
-                raise mpi_error("all_reduce", exc) from exc
-            return MPIWork("all_reduce", req, self._t, (tensor,), None, None, None, self._wlock)
+                raise self._convert("all_reduce", exc) from exc
+            return MPIWork("all_reduce", req, self._t, (tensor,), None, None, None, self._wlock, self._convert)
         target = tensor.detach()
         work = target.to(plan.stage) if plan.stage is not None else target
         if plan.premul:
@@ -351,11 +378,62 @@ class MPIBackend(Backend):
         super().set_timeout(timeout)
         self._t = timeout.total_seconds()
 
-    def shutdown(self) -> None:
-        """Fail the operations still pending (cancelling receives), then free the communicator."""
-        error = DistBackendError(f"mpi backend: group rank {self.rank}'s process group was destroyed")
+    def abort(self) -> None:
+        """With MPI's fault tolerance: revoke the communicator (every member's pending and
+        later operations on it fail at once), then release it as :meth:`shutdown` does.
+        Without it (the spec declares ``abort`` unsupported): only :meth:`shutdown`."""
+        if self._failures is not None:
+            self._failures.give_up("aborted the group (group.abort())")
+        self.shutdown()
+
+    def shrink(
+        self,
+        survivors: Sequence[int],
+        *,
+        store: Any,
+        global_ranks: Sequence[int],
+        options: dict[str, Any],
+        abort: bool,
+    ) -> Optional[Backend]:
+        """The survivors' group: a communicator of exactly their MPI ranks, in their order
+        (:func:`tdist_mpi._ulfm.communicator_of`); no store. The old communicator is then
+        revoked: a rank left out that is still running sees its operations fail."""
+        if self._failures is None:  # the spec declared shrink_group unsupported: the core refused already
+            raise DistBackendError(f"mpi backend: shrink_group: {ulfm_problem() or 'MPI fault tolerance is off'}")
+        global _world_rank_of
+        note_ranks_lost()
+        if abort:  # SHRINK_ABORT: this group's pending operations fail first, everywhere
+            self._failures.give_up("shrank the group (SHRINK_ABORT)")
+            self._abandon(DistBackendError(f"mpi backend: group rank {self.rank}'s group was shrunk (SHRINK_ABORT)"))
+        world_ranks = [self._world_ranks[r] for r in survivors]
+        comm = communicator_of(self._rt, world_ranks, self._t, "shrink_group")
+        self._failures.revoke()
+        new_rank = list(survivors).index(self.rank)
+        if comm.Get_rank() != new_rank:
+            comm.Free()
+            raise DistBackendError(f"mpi backend: shrink_group: communicator rank {comm.Get_rank()} is not {new_rank}")
+        if list(global_ranks) != [self._global_ranks[r] for r in survivors]:  # the default group, renumbered
+            _world_rank_of = dict(zip(global_ranks, world_ranks))
+        check = options.get("check_collectives")
+        return MPIBackend(
+            self._rt,
+            comm,
+            new_rank,
+            len(survivors),
+            self.timeout,
+            bool(check_collectives_default() if check is None else check),
+            world_ranks=world_ranks,
+            global_ranks=global_ranks,
+            ft=True,
+        )
+
+    def _abandon(self, error: BaseException) -> None:
         for work in list(self._works):
             work.abandon(error)
+
+    def shutdown(self) -> None:
+        """Fail the operations still pending (cancelling receives), then free the communicator."""
+        self._abandon(DistBackendError(f"mpi backend: group rank {self.rank}'s process group was destroyed"))
         comm, self._comm = self._comm, None
         MPI = self._rt.MPI
         if comm is not None and MPI.Is_initialized() and not MPI.Is_finalized():
@@ -379,11 +457,15 @@ def create_backend(
     global_ranks: Optional[Sequence[int]] = None,
     **_ignored: Any,  # later versions of the factory contract may pass more (e.g. secret=)
 ) -> MPIBackend:
-    """The factory: a communicator over ``global_ranks`` (MPI COMM_WORLD ranks).
+    """The factory: a communicator over ``global_ranks`` (MPI COMM_WORLD ranks, or the
+    ranks they stand for once ``shrink_group`` renumbered the default group).
 
     The whole world gets ``COMM_WORLD.Dup()``; a subgroup gets
-    ``COMM_WORLD.Create_group(group.Incl(global_ranks))``, collective over its members only.
+    ``COMM_WORLD.Create_group(group.Incl(ranks))``, collective over its members only, or
+    with MPI's fault tolerance on, ``MPI_Comm_create_from_group`` (which works after a
+    rank was lost too).
     """
+    global _world_rank_of
     rt = runtime()
     MPI = rt.MPI
     _bind(rt)
@@ -392,31 +474,28 @@ def create_backend(
         raise DistBackendError(
             f"mpi backend: rank {rank} / {len(ranks)} global ranks do not match world size {world_size}"
         )
-    me = ranks[rank]
+    if len(ranks) == rt.world_size:  # a new default group over every MPI rank: the numbering is MPI's again
+        _world_rank_of = None
+    mapping = _world_rank_of
+    world_ranks = ranks if mapping is None else [mapping.get(r, -1) for r in ranks]
+    me = world_ranks[rank]
     if rt.world_size == 1 and len(ranks) > 1:
         raise DistBackendError(
             f"mpi backend: a group of {len(ranks)} ranks, but this process is not part of an MPI job "
             "(MPI_COMM_WORLD has 1 rank); start the program with mpirun -n N"
         )
-    if me != rt.world_rank or max(ranks) >= rt.world_size:
+    if me != rt.world_rank or max(world_ranks) >= rt.world_size or min(world_ranks) < 0:
         raise DistBackendError(
-            f"mpi backend: tdist rank {me} is MPI rank {rt.world_rank} of {rt.world_size}; the mpi backend needs "
-            "tdist's ranks to be MPI_COMM_WORLD's ranks (use init_method='mpi://', this backend's default)"
+            f"mpi backend: tdist rank {ranks[rank]} is MPI rank {rt.world_rank} of {rt.world_size}; the mpi backend "
+            "needs tdist's ranks to be MPI_COMM_WORLD's ranks (use init_method='mpi://', this backend's default; "
+            "a process that joins a running job is not part of it)"
         )
-    world = rt.world
+    ft = ulfm_problem() is None and rt.world_size > 1
     try:
-        with rt.lock:
-            if ranks == list(range(rt.world_size)):
-                comm = world.Dup()
-            else:
-                world_group = world.Get_group()
-                members = world_group.Incl(ranks)
-                try:
-                    comm = world.Create_group(members, 0)
-                finally:
-                    members.Free()
-                    world_group.Free()
-            comm.Set_errhandler(MPI.ERRORS_RETURN)
+        if ft and world_ranks != list(range(rt.world_size)):  # also after a loss (see communicator_of)
+            comm = communicator_of(rt, world_ranks, timeout.total_seconds(), "new_group")
+        else:
+            comm = _world_or_subgroup(rt, world_ranks)
     except MPI.Exception as exc:
         raise mpi_error("creating the group's communicator", exc) from exc
     if comm.Get_rank() != rank:
@@ -425,4 +504,25 @@ def create_backend(
     check = (options or {}).get("check_collectives")
     if check is None:
         check = check_collectives_default()
-    return MPIBackend(rt, comm, rank, len(ranks), timeout, bool(check))
+    return MPIBackend(
+        rt, comm, rank, len(ranks), timeout, bool(check), world_ranks=world_ranks, global_ranks=ranks, ft=ft
+    )
+
+
+def _world_or_subgroup(rt: Runtime, world_ranks: list[int]) -> Any:
+    """``COMM_WORLD.Dup()`` for the whole world, else ``COMM_WORLD.Create_group`` over
+    ``world_ranks`` (collective over them only)."""
+    world = rt.world
+    with rt.lock:
+        if world_ranks == list(range(rt.world_size)):
+            comm = world.Dup()
+        else:
+            world_group = world.Get_group()
+            members = world_group.Incl(world_ranks)
+            try:
+                comm = world.Create_group(members, 0)
+            finally:
+                members.Free()
+                world_group.Free()
+        comm.Set_errhandler(rt.MPI.ERRORS_RETURN)
+    return comm

@@ -36,20 +36,25 @@ def tdist_register_backends(registry: Any) -> None:
 
 def _spec() -> BackendSpec:
     from ._runtime import CHECK_ENV, availability, check_collectives_default, cuda_aware
+    from ._ulfm import LAUNCH_ARGS, library_has_ulfm
+    from ._ulfm import problem as ulfm_problem
 
     reason = availability()
     operations = {"cpu": _OPS}
     if reason is None and cuda_aware():
         operations["cuda"] = _OPS
-    unsupported = {
-        "shrink_group": (
-            "a communicator without a lost rank needs MPI's fault tolerance (ULFM: Comm.Revoke/Shrink/Agree), "
-            "which tdist-mpi does not use yet; and under mpirun a rank lost to a signal ends the whole job"
-        ),
-        "abort": (
-            "MPI cannot cancel a collective in flight: aborting a group releases this rank's side only, "
-            "the peers' pending operations wait (MPI_Abort would end the whole job)"
-        ),
+    unsupported: dict[str, str] = {}
+    no_ft = ulfm_problem() if reason is None else reason
+    if no_ft:  # MPI's fault tolerance (ULFM) is what keeps a job, and its groups, alive after a loss
+        unsupported.update(
+            peer_failure=f"a rank lost to a signal ends the whole job under mpirun ({no_ft})",
+            shrink_group=f"a group without a lost rank needs MPI's fault tolerance (ULFM): {no_ft}",
+            abort=(
+                "MPI cannot cancel a collective in flight without its fault tolerance (ULFM's MPI_Comm_revoke): "
+                f"aborting a group releases this rank's side only ({no_ft})"
+            ),
+        )
+    unsupported |= {
         "timeout_names_ranks": "an MPI request that did not complete does not tell which ranks have not arrived",
         "p2p_dtype_check": (
             "MPI checks a message's size, not its datatype: a receive into another dtype of the same "
@@ -65,11 +70,15 @@ def _spec() -> BackendSpec:
         name="mpi",
         factory=_factory,
         operations=operations,
-        description="MPI through mpi4py (nonblocking MPI calls, zero-copy buffers); launch with mpirun",
+        description=(
+            "MPI through mpi4py (nonblocking MPI calls, zero-copy buffers); launch with mpirun, "
+            "with --with-ft ulfm for fault tolerance (surviving a lost rank, shrink_group, abort)"
+        ),
         available=reason,
         default_init_method="mpi://",
         launcher="mpirun",
-        extra={"unsupported": unsupported},
+        # what mpirun needs for the declared features (the conformance kit launches with it)
+        extra={"unsupported": unsupported, "mpirun_args": LAUNCH_ARGS if reason is None and library_has_ulfm() else ()},
     )
 
 
