@@ -37,14 +37,13 @@ while its peer's data comes in). Sends are made by the calling threads (blocking
 
 from __future__ import annotations
 
-import json
 import socket
 import struct
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-from tdist.plugin import DistBackendError, DistBackendTimeoutError
+from tdist.plugin import DistBackendError
 
 from .ioloop import io_loop
 from .links import (
@@ -56,10 +55,11 @@ from .links import (
     Stashed,
     clip_reason,
     send_control,
+    send_mark,
     timeout_error,
 )
 from .verdicts import Verdicts
-from .wire import ABORT, BYE, pack_header
+from .wire import BYE, pack_header
 
 if TYPE_CHECKING:
     from .algorithms import Coll
@@ -82,13 +82,18 @@ class Transport(Verdicts):
         timeout: float,
         global_ranks: Optional[Sequence[int]] = None,
         mesh: Optional["Mesh"] = None,
+        epoch: int = 0,
     ) -> None:
         """``sockets``: connections already made, by peer; ``mesh``: makes the others when
-        first needed (without one, a peer not in ``sockets`` cannot be reached)."""
+        first needed (without one, a peer not in ``sockets`` cannot be reached); ``epoch``:
+        how many shrinks made this group from the one built by the factory (see
+        :mod:`tdist_tcp.links`: the links' frames are this transport's in that epoch)."""
         self.rank = rank
         self.size = size
         self.timeout = timeout
         self.mesh = mesh
+        self.epoch = epoch
+        self.retired = False  # its links went to the group a shrink made (see retire)
         self._global = list(global_ranks) if global_ranks else list(range(size))
         self._lock = threading.Lock()
         self._linked = threading.Condition(self._lock)  # a peer got its links (or a connect attempt ended)
@@ -160,7 +165,7 @@ class Transport(Verdicts):
                     self._linked.wait(min(deadline - now, peer.expect - now if waiting else 1.0))
                 if peer.links:
                     return
-                if self.mesh is None or self._closing:
+                if self.mesh is None or self._closing or self.retired:
                     raise DistBackendError(f"tcp backend: {self.me} has no connection to {peer.label}")
                 peer.connecting = True
             socks: Optional[list[Any]] = None
@@ -193,7 +198,7 @@ class Transport(Verdicts):
         lower rank's connection wins). Called by the listener in the I/O loop."""
         with self._lock:
             peer = self.peers[rank] if 0 <= rank < self.size else None
-            if peer is None or self._closing or peer.links or peer.closed is not None:
+            if peer is None or self._closing or self.retired or peer.links or peer.closed is not None:
                 return False
             if peer.connecting and self.rank < rank:
                 return False
@@ -218,7 +223,7 @@ class Transport(Verdicts):
 
     def _attach_locked(self, peer: Peer, socks: Sequence[Any]) -> None:
         peer.incoming, peer.expect = False, 0.0
-        if self._closing or peer.links:  # too late, or a second set (never used): close it
+        if self._closing or self.retired or peer.links:  # too late, or a second set (never used): close it
             for sock in socks:
                 sock.close()
             return
@@ -253,6 +258,8 @@ class Transport(Verdicts):
         sent = -1
         try:
             with link.send_lock:
+                if link.sender is not self:  # handed to the group a shrink made
+                    raise self.broken or DistBackendError(f"tcp backend: {self.me}'s process group was shrunk")
                 sock = link.sock
                 if n <= _SMALL_SEND:
                     data = header + payload if n else header
@@ -261,7 +268,7 @@ class Transport(Verdicts):
                     except (BlockingIOError, InterruptedError):  # nothing sent within SO_SNDTIMEO
                         sent = 0
                     if sent < len(data):
-                        self._push(sock, memoryview(data)[sent:], b"")
+                        self._push(link, memoryview(data)[sent:], b"")
                 else:
                     try:
                         sent = sock.sendmsg([header, payload])
@@ -269,7 +276,7 @@ class Transport(Verdicts):
                         sent = 0
                     if sent < len(header) + n:
                         self._push(
-                            sock,
+                            link,
                             memoryview(header)[sent:] if sent < len(header) else b"",
                             payload[max(0, sent - len(header)) :],
                         )
@@ -286,29 +293,34 @@ class Transport(Verdicts):
                 self.fail(err)
             raise
 
-    def _push(self, sock: socket.socket, first: Any, rest: Any) -> None:
+    def _push(self, link: Link, first: Any, rest: Any) -> None:
         """Send the rest of a frame (with the peer's send lock held). Each blocked call
         returns after SO_SNDTIMEO (a fraction of a second), so a group broken meanwhile
         ends the wait at once, and a peer that took nothing for the group's timeout
-        raises ``socket.timeout``."""
+        raises ``socket.timeout``; a frame cut short leaves ``link.owed`` bytes owed."""
+        sock = link.sock
         parts = [memoryview(p) for p in (first, rest) if len(p)]
         stalled = 0.0
-        while parts:
-            try:
-                sent = sock.sendmsg(parts)
-            except (BlockingIOError, InterruptedError):  # no progress for one SO_SNDTIMEO
-                stalled += min(self.timeout, _SEND_SLICE)
-                if self.broken is not None or stalled >= self.timeout:
-                    raise socket.timeout("send timed out") from None
-                continue
-            stalled = 0.0
-            while sent and parts:
-                if sent >= len(parts[0]):
-                    sent -= len(parts[0])
-                    parts.pop(0)
-                else:
-                    parts[0] = parts[0][sent:]
-                    sent = 0
+        try:
+            while parts:
+                try:
+                    sent = sock.sendmsg(parts)
+                except (BlockingIOError, InterruptedError):  # no progress for one SO_SNDTIMEO
+                    stalled += min(self.timeout, _SEND_SLICE)
+                    if self.broken is not None or stalled >= self.timeout:
+                        raise socket.timeout("send timed out") from None
+                    continue
+                stalled = 0.0
+                while sent and parts:
+                    if sent >= len(parts[0]):
+                        sent -= len(parts[0])
+                        parts.pop(0)
+                    else:
+                        parts[0] = parts[0][sent:]
+                        sent = 0
+        except BaseException:
+            link.owed = sum(len(p) for p in parts)
+            raise
 
     def _send_failed(self, peer: Peer, exc: OSError, coll: Optional["Coll"] = None) -> DistBackendError:
         if self.broken is not None:
@@ -533,86 +545,40 @@ class Transport(Verdicts):
             current.finish(err)
         self._peer_gone(peer, err, crashed=problem is not None and not self._closing)
 
-    # ---------------------------------------------------------------- failure
-    def add_break_callback(self, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` whenever the group breaks or a peer goes away (e.g. to wake
-        threads that wait on something other than a posted receive)."""
-        self._break_callbacks.append(fn)
-
-    def _notify_break(self) -> None:
-        for fn in list(self._break_callbacks):
-            try:
-                fn()
-            except Exception:
-                pass
-
-    def fail(self, err: DistBackendError, notify: bool = True) -> None:
-        """Break the group: every pending and later operation raises the first error.
-        With ``notify``, ABORT frames carrying ``err`` tell the peers (so they raise instead
-        of waiting); each rank sends them once, also when an ABORT broke its group first
-        and one of its own operations then fails (so a peer that the first rank could not
-        reach still hears of it)."""
+    # ---------------------------------------------------------------- shrinking
+    def retire(self, error: DistBackendError) -> dict[int, list[Link]]:
+        """Give up every peer's links, for the group a shrink makes (:mod:`tdist_tcp.regroup`):
+        fail every pending and later operation with ``error`` (the peers are not told),
+        connect and accept no more, and return the links by peer, their frames of this
+        group dropped; :meth:`close` then touches none of them."""
+        self.fail(error, notify=False)
         with self._lock:
-            first = self.broken is None
-            if first:
-                self.broken = err
-                pending: list[Any] = list(self._p2p_posted)
-                self._p2p_posted.clear()
-                for peer in self.peers:
-                    if peer is not None:
-                        pending.extend(peer.take_posted())
-            tell = notify and not self._closing and not self._told_peers
-            if tell:
-                self._told_peers = True
-        if first:
-            for pr in pending:
-                pr.finish(err)
-            self._notify_break()
-        if tell:
-            reason = getattr(err, "abort_reason", None) or str(err)  # relay the origin's words, not nested
-            payload = json.dumps(
-                {
-                    "reason": reason[:4000],
-                    "timeout": isinstance(err, DistBackendTimeoutError),
-                    "missing": list(getattr(err, "missing_ranks", [])),
-                }
-            ).encode()
-            helper = threading.Thread(target=self._send_aborts, args=(payload,), name="tdist-tcp-abort", daemon=True)
-            self._helpers.append(helper)
-            helper.start()
+            self.retired = True
+            self.mesh = None
+            taken: dict[int, list[Link]] = {}
+            for peer in self.peers:
+                if peer is not None and peer.links:
+                    taken[peer.rank], peer.links = peer.links, []
+                    for link in taken[peer.rank]:
+                        link.coll_stash.clear()  # (posted receives were failed; broken: no more stashed)
+            self._linked.notify_all()
+        return taken
 
-    def _send_aborts(self, payload: bytes) -> None:
-        frame = pack_header(ABORT, 0, 0, 0, 0, 0, len(payload)) + payload
-        for peer in self.peers:
-            if peer is not None and peer.closed is None and peer.links:
-                send_control(peer.links[0], frame, 2.0)
-        for peer in self.peers:  # then those never connected: they may wait for this rank too
-            if peer is not None and peer.closed is None and not peer.links and self.mesh is not None:
-                try:
-                    self.connect(peer, 1.0, broken_too=True)
-                except Exception:  # noqa: BLE001 - best effort: it times out by itself
-                    continue
-                send_control(peer.links[0], frame, 2.0)
-
-    def _peer_gone(self, peer: Peer, err: DistBackendError, crashed: bool) -> None:
+    def adopt(self, rank: int, links: Sequence[Link], limit: float) -> bool:
+        """Make another transport's ``links`` (see :meth:`retire`) ``rank``'s: read for this
+        transport from their next frame on, delivered once the peer's MARK of this epoch
+        came; this rank's MARK goes out first (after the rest of a frame cut short). False
+        (nothing adopted) if a MARK could not be sent within ``limit`` s."""
+        if not all(send_mark(link, self, self.epoch, limit) for link in links):
+            return False
         with self._lock:
-            if peer.closed is None:
-                peer.closed = str(err)
-                peer.failed = err.failed_peer
-            pending: list[Any] = peer.take_posted()
-            everyone_gone = all(p is None or p.closed is not None for p in self.peers)
-            keep = []
-            for pr in self._p2p_posted:
-                if pr.src == peer.rank or (pr.src is None and everyone_gone):
-                    pending.append(pr)
-                else:
-                    keep.append(pr)
-            self._p2p_posted[:] = keep
-        for pr in pending:
-            pr.finish(err)
-        self._notify_break()
-        if crashed:
-            self.fail(err)
+            peer = self.peers[rank]
+            assert peer is not None
+            peer.links = list(links)
+            self._linked.notify_all()
+        for link in links:
+            link.hand_over(self, peer)
+        return True
 
     # ---------------------------------------------------------------- closing
     def abort(self, wait: float = 5.0) -> None:
@@ -636,7 +602,7 @@ class Transport(Verdicts):
         bye = pack_header(BYE, 0, 0, 0, 0, 0, 0)
         for peer, link in links:
             if peer.closed is None:
-                send_control(link, bye, 1.0)
+                send_control(link, bye, 1.0, self)
             try:
                 link.sock.shutdown(socket.SHUT_WR)
             except OSError:
