@@ -45,6 +45,7 @@ def snapshot() -> dict:
         "size": dist.get_world_size(),
         "epoch": tr.epoch,
         "links": links,
+        "kinds": sorted({type(link.sock).__name__ for p in tr.peers if p is not None for link in p.links}),
         "listeners": listeners,
         "segments": segments(),
         "uses_shm": backend.uses_shm,

@@ -12,9 +12,12 @@ from __future__ import annotations
 import socket
 import time
 
+from typing import Optional
+
 import _tcp_shrink_jobs as J
 import pytest
 from tdist.testing import RankFailure, World
+from tdist.testing.tls_certs import OPENSSL, make_pki, tls_env
 from tdist_tcp import shm as S
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -61,10 +64,23 @@ def test_shrinks_reuse_connections_and_segment(case):
     listeners and segment, nothing new in the store, and every operation is right; its
     operations connect only pairs that never were."""
     spec = CASES[case]
+    if spec["env"].get("TDIST_TCP_SHM") != "0" and not S.shm_enabled({"shm": True}):
+        pytest.skip("shared memory needs Linux x86-64 and memfd")
+    _check_rounds(case, spec)
+
+
+@pytest.mark.skipif(OPENSSL is None, reason="the certificates are made with the openssl command-line tool")
+def test_shrinks_reuse_tls_connections(tmp_path):
+    """The same over TLS (TCP connections: no Unix-domain sockets) with a job token: the
+    new group keeps the TLS streams, whose peers proved the token's key to the old group."""
+    env = {**tls_env(make_pki(tmp_path), client_auth=True), "TDIST_STORE_TOKEN": "shrink-token"}
+    env.update(TDIST_TCP_SHM="0", TDIST_TCP_UNIX="0", TDIST_TCP_CONNECT="all")
+    _check_rounds("tls", dict(env=env, warm_up=True, made={}), kinds={"TlsStream"})
+
+
+def _check_rounds(case: str, spec: dict, kinds: Optional[set] = None) -> None:
     env = spec["env"]
     shm = env.get("TDIST_TCP_SHM") != "0"
-    if shm and not S.shm_enabled({"shm": True}):
-        pytest.skip("shared memory needs Linux x86-64 and memfd")
     outcomes = _run(4, J.shrink_rounds, env, spec.get("pg_timeout", 30.0), losses=[3, 2], warm_up=spec["warm_up"])
     survivors = _survivor_outcomes(outcomes[:2], [])  # ranks 0 and 1 survive both rounds
     for lost in (2, 3):
@@ -90,6 +106,8 @@ def test_shrinks_reuse_connections_and_segment(case):
             made = {pair[1] for pair in _pairs(done, originals[k + 1]) - kept}
             expected = spec["made"].get((rank, k), set())
             assert made == expected, f"{where}: operations on the shrunken group connected to {made}, not {expected}"
+            if kinds is not None:
+                assert set(done["kinds"]) == kinds, (where, done["kinds"])
             if env.get("TDIST_TCP_STREAMS") == "2":
                 peers = [pair[1] for pair in _pairs(done, originals[k + 1])]
                 assert peers and all(peers.count(q) == 2 for q in peers), f"{where}: {sorted(peers)}"

@@ -100,13 +100,14 @@ def shrink(
         return None
     rank, size, epoch = survivors.index(old.rank), len(survivors), tr.epoch + 1
     deadline = time.monotonic() + old._timeout_s
-    taken = _stop(old)
-    new_mesh = _successor_mesh(mesh, store, survivors, rank, epoch, options)
-    new_tr = Transport(rank, size, {}, old._timeout_s, global_ranks, new_mesh, epoch)
-    new_mesh.acceptor.start()  # the listeners' handler is now the new group's acceptor
-    _retire_acceptor(mesh)
-    engine = host_engine = None
+    taken = tr.retire(DistBackendError(f"tcp backend: {tr.me}'s process group was shrunk: use the new group"))
+    new_tr = engine = host_engine = None
     try:
+        _quiesce(old)
+        new_mesh = _successor_mesh(mesh, store, survivors, rank, epoch, options)
+        new_tr = Transport(rank, size, {}, old._timeout_s, global_ranks, new_mesh, epoch)
+        new_mesh.acceptor.start()  # the listeners' handler is now the new group's acceptor
+        _retire_acceptor(mesh)
         _hand_links(taken, survivors, new_tr, tr)
         layout = old._hier.layout if old._hier is not None else None
         if old._shm is not None:  # the whole group's segment
@@ -114,7 +115,9 @@ def shrink(
         elif old._hier is not None:
             layout, engine, host_engine = _hosts(old, survivors, new_tr, options, epoch, deadline)
     except BaseException:
-        new_tr.close(0.0)
+        if new_tr is not None:
+            new_tr.close(0.0)
+        _close([link for links in taken.values() for link in links if link.sender is tr], None)
         for e in (engine, host_engine):
             if e is not None:
                 e.close(unmap=False)
@@ -131,22 +134,21 @@ def _changed(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
     return any(before.get(k) != after.get(k) for k in keys)
 
 
-def _stop(old: "TcpBackend") -> dict[int, list[Link]]:
-    """Fail the old group's operations, take its links (by old rank) and wait until no
-    collective of it runs on its segment (raising if one is stuck past the timeout)."""
-    tr = old._tr
+def _quiesce(old: "TcpBackend") -> None:
+    """Make sure no collective of the old group runs, or will run, on its segment: the
+    transport is retired (broken: a waiter wakes and fails), later collectives refuse, and
+    the one in progress, if any, is waited for (up to the timeout, then an error)."""
     old._retired = True  # (then _in_collective: the collectives set them in the other order)
-    taken = tr.retire(DistBackendError(f"tcp backend: {tr.me}'s process group was shrunk: use the new group"))
-    if old.uses_shm:
-        deadline = time.monotonic() + old._timeout_s
-        while old._in_collective and time.monotonic() < deadline:
-            time.sleep(0.001)
-        if old._in_collective:
-            raise DistBackendError(
-                f"tcp backend: {tr.me} cannot shrink its group: a collective of the old group is still running on "
-                f"its shared memory after {old._timeout_s:g} s"
-            )
-    return taken
+    if not old.uses_shm:
+        return
+    deadline = time.monotonic() + old._timeout_s
+    while old._in_collective and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if old._in_collective:
+        raise DistBackendError(
+            f"tcp backend: {old._tr.me} cannot shrink its group: a collective of the old group is still running on "
+            f"its shared memory after {old._timeout_s:g} s"
+        )
 
 
 def _successor_mesh(
