@@ -206,7 +206,7 @@ def _successor(tr, peer_old: int, epoch: int):
     from tdist_tcp.transport import Transport
 
     new = Transport(tr.rank, 2, {}, 5.0, epoch=epoch)
-    links = tr.retire(DistBackendError("shrunk"))
+    links = tr.retire(DistBackendError("shrunk"), new, {0: 0, 1: 1})
     assert new.adopt(peer_old, links[peer_old], 2.0)
     return new
 
@@ -276,6 +276,31 @@ def test_a_frame_cut_short_is_completed_before_the_mark():
         assert _recv_coll(nb, 0) == [8.0] * 4
         na.close(0.5)
         nb.close(0.5)
+    finally:
+        a.close(0.0)
+        b.close(0.0)
+
+
+def test_an_abort_names_the_rank_whose_loss_it_relays():
+    """A rank that breaks its group because rank 2 died tells its peers so: their error
+    blames rank 2 (the agreement then does not suspect the messenger), not rank 0."""
+    from tdist.plugin import DistBackendError
+    from tdist_tcp.transport import Transport
+
+    a_sock, b_sock = socket.socketpair()
+    a = Transport(0, 3, {1: [a_sock]}, 5.0, global_ranks=[10, 11, 12])
+    b = Transport(1, 3, {0: [b_sock]}, 5.0, global_ranks=[10, 11, 12])
+    try:
+        lost = DistBackendError("rank 2 died")
+        lost.failed_peer = 12
+        a.fail(lost)
+        deadline = time.monotonic() + 5.0
+        while b.broken is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b.broken is not None and "rank 2 died" in str(b.broken), b.broken
+        assert b.broken.failed_peer == 12, b.broken.failed_peer
+        plain = Transport(0, 2, {}, 5.0, global_ranks=[10, 11])
+        assert plain.abort_error(b.peers[0], b'{"reason": "x"}').failed_peer == 10  # no relay: the sender
     finally:
         a.close(0.0)
         b.close(0.0)

@@ -52,6 +52,7 @@ __all__ = [
     "timeout_error",
     "send_control",
     "send_mark",
+    "close_links",
 ]
 
 _READ_BUFFER = 64 << 10  # a reader's buffered chunk (headers and small payloads)
@@ -246,7 +247,7 @@ class Link:
         return DONE
 
     # ------------------------------------------------------------ changing hands
-    def hand_over(self, owner: "Transport", peer: "Peer") -> None:
+    def hand_over(self, owner: Any, peer: "Peer") -> None:
         """Make ``owner`` (its ``peer``) this link's reader's owner from the next frame on
         (any thread); a parked link goes back into the I/O loop."""
         with self._handoff:
@@ -482,6 +483,19 @@ def send_mark(link: Link, sender: Any, epoch: int, limit: float) -> bool:
         return _send_all(link, pack_header(MARK, 0, 0, 0, 0, epoch, 0), deadline)
     finally:
         link.send_lock.release()
+
+
+def close_links(links: Sequence[Link], error: BaseException) -> None:
+    """Take ``links`` out of the I/O loop and close them (a frame being read fails with ``error``)."""
+    loop = io_loop()
+    for link in links:
+        loop.unregister(link.sock)
+        link.abandon(error)
+        try:
+            link.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        link.sock.close()
 
 
 def _send_all(link: Link, data: bytes, deadline: float) -> bool:

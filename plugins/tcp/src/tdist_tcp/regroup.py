@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import time
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
@@ -55,7 +54,7 @@ from tdist.plugin import DistBackendError
 from .auth import group_key
 from .connect import _Auth
 from .ioloop import io_loop
-from .links import Link, send_control
+from .links import Link, close_links, send_control
 from .mesh import Mesh
 from .topology import Layout
 from .transport import Transport
@@ -100,12 +99,13 @@ def shrink(
         return None
     rank, size, epoch = survivors.index(old.rank), len(survivors), tr.epoch + 1
     deadline = time.monotonic() + old._timeout_s
-    taken = tr.retire(DistBackendError(f"tcp backend: {tr.me}'s process group was shrunk: use the new group"))
-    new_tr = engine = host_engine = None
+    new_mesh = _successor_mesh(mesh, store, survivors, rank, epoch, options)
+    new_tr = Transport(rank, size, {}, old._timeout_s, global_ranks, new_mesh, epoch)
+    error = DistBackendError(f"tcp backend: {tr.me}'s process group was shrunk: use the new group")
+    taken = tr.retire(error, new_tr, {r: i for i, r in enumerate(survivors)})
+    engine = host_engine = None
     try:
         _quiesce(old)
-        new_mesh = _successor_mesh(mesh, store, survivors, rank, epoch, options)
-        new_tr = Transport(rank, size, {}, old._timeout_s, global_ranks, new_mesh, epoch)
         new_mesh.acceptor.start()  # the listeners' handler is now the new group's acceptor
         _retire_acceptor(mesh)
         _hand_links(taken, survivors, new_tr, tr)
@@ -115,8 +115,7 @@ def shrink(
         elif old._hier is not None:
             layout, engine, host_engine = _hosts(old, survivors, new_tr, options, epoch, deadline)
     except BaseException:
-        if new_tr is not None:
-            new_tr.close(0.0)
+        new_tr.close(0.0)
         _close([link for links in taken.values() for link in links if link.sender is tr], None)
         for e in (engine, host_engine):
             if e is not None:
@@ -195,16 +194,7 @@ def _close(links: Sequence[Link], reason: Optional[str]) -> None:
         frame = pack_header(ABORT, 0, 0, 0, 0, 0, len(payload)) + payload
         for link in links:
             send_control(link, frame, 0.5)
-    loop = io_loop()
-    error = DistBackendError("tcp backend: the connection was closed by shrink_group")
-    for link in links:
-        loop.unregister(link.sock)
-        link.abandon(error)
-        try:
-            link.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        link.sock.close()
+    close_links(links, DistBackendError("tcp backend: the connection was closed by shrink_group"))
 
 
 def _hosts(

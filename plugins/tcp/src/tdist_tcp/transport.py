@@ -55,9 +55,9 @@ from .links import (
     Stashed,
     clip_reason,
     send_control,
-    send_mark,
     timeout_error,
 )
+from .handover import Handover
 from .verdicts import Verdicts
 from .wire import BYE, pack_header
 
@@ -71,7 +71,7 @@ _SMALL_SEND = 16 << 10  # payloads up to this size are sent joined to their head
 _SEND_SLICE = 0.5  # seconds a blocked send waits before it checks the group and its own timeout
 
 
-class Transport(Verdicts):
+class Transport(Handover, Verdicts):
     """The links to the peers of one group and the matching of frames to receives."""
 
     def __init__(
@@ -94,6 +94,8 @@ class Transport(Verdicts):
         self.mesh = mesh
         self.epoch = epoch
         self.retired = False  # its links went to the group a shrink made (see retire)
+        #: that group's transport and its rank of each peer here (see retire)
+        self.successor: Optional[tuple["Transport", Mapping[int, int]]] = None
         self._global = list(global_ranks) if global_ranks else list(range(size))
         self._lock = threading.Lock()
         self._linked = threading.Condition(self._lock)  # a peer got its links (or a connect attempt ended)
@@ -170,6 +172,7 @@ class Transport(Verdicts):
                 peer.connecting = True
             socks: Optional[list[Any]] = None
             ok = False
+            late: list[Link] = []
             try:
                 socks = self.mesh.connect(peer.rank, deadline)
                 ok = True
@@ -187,10 +190,12 @@ class Transport(Verdicts):
                 with self._lock:
                     peer.connecting = False
                     if socks:
-                        self._attach_locked(peer, socks)
+                        late = self._attach_locked(peer, socks)
                     elif ok:  # the peer is connecting to this rank: wait for it a while, then try again
                         peer.expect = time.monotonic() + 1.0
                     self._linked.notify_all()
+                if late:
+                    self._forward(peer.rank, late)
 
     def admit(self, rank: int) -> bool:
         """Whether to accept a connection that ``rank`` is opening (its first stream, proved):
@@ -218,15 +223,20 @@ class Transport(Verdicts):
         with self._lock:
             peer = self.peers[rank]
             assert peer is not None
-            self._attach_locked(peer, socks)
+            late = self._attach_locked(peer, socks)
             self._linked.notify_all()
+        if late:
+            self._forward(rank, late)
 
-    def _attach_locked(self, peer: Peer, socks: Sequence[Any]) -> None:
+    def _attach_locked(self, peer: Peer, socks: Sequence[Any]) -> list[Link]:
+        """Make ``socks`` ``peer``'s links; the links to hand to the successor instead (see
+        :meth:`_forward`) when this transport is retired."""
         peer.incoming, peer.expect = False, 0.0
-        if self._closing or self.retired or peer.links:  # too late, or a second set (never used): close it
+        late = self.retired and self.successor is not None and peer.rank in self.successor[1]
+        if (self._closing or self.retired or peer.links) and not late:  # too late, or a second set: closed
             for sock in socks:
                 sock.close()
-            return
+            return []
         slice_s = min(self.timeout, _SEND_SLICE)
         sndtimeo = struct.pack("ll", int(slice_s), int((slice_s % 1) * 1e6))
         for sock in socks:
@@ -234,10 +244,14 @@ class Transport(Verdicts):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, sndtimeo)
             except (OSError, OverflowError):
                 pass
-        peer.links = [Link(i, sock, peer, self) for i, sock in enumerate(socks)]
+        links = [Link(i, sock, peer, self) for i, sock in enumerate(socks)]
         loop = io_loop()
-        for link in peer.links:
+        for link in links:
             loop.register(link.sock, link)
+        if late:
+            return links
+        peer.links = links
+        return []
 
     # ---------------------------------------------------------------- sending
     def send(self, dst: int, header: bytes, payload: memoryview, coll: Optional["Coll"] = None, part: int = 0) -> None:
@@ -545,41 +559,6 @@ class Transport(Verdicts):
             current.finish(err)
         self._peer_gone(peer, err, crashed=problem is not None and not self._closing)
 
-    # ---------------------------------------------------------------- shrinking
-    def retire(self, error: DistBackendError) -> dict[int, list[Link]]:
-        """Give up every peer's links, for the group a shrink makes (:mod:`tdist_tcp.regroup`):
-        fail every pending and later operation with ``error`` (the peers are not told),
-        connect and accept no more, and return the links by peer, their frames of this
-        group dropped; :meth:`close` then touches none of them."""
-        self.fail(error, notify=False)
-        with self._lock:
-            self.retired = True
-            self.mesh = None
-            taken: dict[int, list[Link]] = {}
-            for peer in self.peers:
-                if peer is not None and peer.links:
-                    taken[peer.rank], peer.links = peer.links, []
-                    for link in taken[peer.rank]:
-                        link.coll_stash.clear()  # (posted receives were failed; broken: no more stashed)
-            self._linked.notify_all()
-        return taken
-
-    def adopt(self, rank: int, links: Sequence[Link], limit: float) -> bool:
-        """Make another transport's ``links`` (see :meth:`retire`) ``rank``'s: read for this
-        transport from their next frame on, delivered once the peer's MARK of this epoch
-        came; this rank's MARK goes out first (after the rest of a frame cut short). False
-        (nothing adopted) if a MARK could not be sent within ``limit`` s."""
-        if not all(send_mark(link, self, self.epoch, limit) for link in links):
-            return False
-        with self._lock:
-            peer = self.peers[rank]
-            assert peer is not None
-            peer.links = list(links)
-            self._linked.notify_all()
-        for link in links:
-            link.hand_over(self, peer)
-        return True
-
     # ---------------------------------------------------------------- closing
     def abort(self, wait: float = 5.0) -> None:
         """Break the group and tell every peer (ABORT frames, connecting to those never
@@ -622,8 +601,9 @@ class Transport(Verdicts):
             except OSError:
                 pass
             link.sock.close()
-        for helper in self._helpers:
-            helper.join(3.0)
+        if not self.retired:  # (a retired group's helper may still be connecting: nothing of it is needed)
+            for helper in self._helpers:
+                helper.join(3.0)
         loop.settle()
 
     def threads(self) -> list[threading.Thread]:
