@@ -304,3 +304,28 @@ def test_an_abort_names_the_rank_whose_loss_it_relays():
     finally:
         a.close(0.0)
         b.close(0.0)
+
+
+def test_a_connection_still_being_opened_goes_to_the_new_group():
+    """Rank 0's old group was opening a connection to rank 1 (an ABORT helper's, say) when
+    it retired; rank 1 accepted it before it retired (so it takes it over): when rank 0's
+    connect completes, the connection is the new group's on both ends."""
+    from tdist.plugin import DistBackendError
+    from tdist_tcp.transport import Transport
+
+    a_sock, b_sock = socket.socketpair()
+    a, b = Transport(0, 3, {}, 5.0), Transport(1, 3, {0: [b_sock]}, 5.0)  # b accepted; a's connect still runs
+    na, nb = Transport(0, 2, {}, 5.0, epoch=1), Transport(1, 2, {}, 5.0, epoch=1)
+    try:
+        assert a.retire(DistBackendError("shrunk"), na, {0: 0, 1: 1}) == {}
+        a.attach(1, [a_sock])  # a's connect completes after it retired
+        assert a.peers[1].links == [] and len(na.peers[1].links) == 1
+        taken = b.retire(DistBackendError("shrunk"), nb, {0: 0, 1: 1})
+        assert nb.adopt(0, taken[0], 2.0)
+        na.send(1, *_coll_frame(3.0))
+        assert _recv_coll(nb, 0) == [3.0] * 4
+        nb.send(0, *_coll_frame(4.0))
+        assert _recv_coll(na, 1) == [4.0] * 4
+    finally:
+        for tr in (na, nb, a, b):
+            tr.close(0.0)
