@@ -54,6 +54,12 @@ def snapshot() -> dict:
     }
 
 
+def _backend_of(group):
+    from tdist._groups import resolve_group
+
+    return resolve_group(group).backends["cpu"]
+
+
 def _factory_keys() -> bool:
     """Whether the factory published this group's connection nonce in the store (it does
     for a group it builds; a group made from the old one's connections needs none)."""
@@ -210,16 +216,25 @@ def exclude_live_rank() -> dict:
 
 
 def exclude_and_exercise() -> dict:
-    """Ranks 0-2 exclude rank 3 (alive: it waits, then leaves) and use their group twice."""
+    """Ranks 1 and 2 shrink a subgroup [1, 2, 3] without 3; then ranks 0-2 exclude rank 3
+    (alive: it waits, then leaves) from the default group and use it twice."""
     r = dist.get_rank()
+    sub = dist.new_group([1, 2, 3])  # a subgroup shrinks too (its own connections): ranks 1 and 2 drop 3
     dist.barrier()
     if r == 3:
         time.sleep(3.0)
         return {"excluded": True}
+    if r in (1, 2):
+        pair = dist.shrink_group([2], group=sub)
+        u = torch.full((2,), float(r))
+        dist.all_reduce(u, group=pair)
+        sub_ok = u.tolist() == [3.0, 3.0] and _backend_of(pair)._tr.epoch == 1
     before = snapshot()
     dist.shrink_group([3])
     after = snapshot()
     results = exercise()
+    if r in (1, 2):
+        results["subgroup"] = sub_ok
     done = snapshot()
     again = exercise()
     return {"before": before, "after": after, "results": results, "done": done, "again": again, "twice": snapshot()}

@@ -12,7 +12,7 @@ the old transport was still opening when it retired is handed over when it is ma
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from tdist.plugin import DistBackendError
 
@@ -44,6 +44,8 @@ class Handover:
         def me(self) -> str: ...
 
         def fail(self, err: DistBackendError, notify: bool = True) -> None: ...
+
+        def link_lost(self, link: Link, current: Any, problem: Optional[str]) -> None: ...
 
     def retire(
         self, error: DistBackendError, successor: "Transport", index: Mapping[int, int]
@@ -89,6 +91,8 @@ class Handover:
             return False
         for link in links:
             link.hand_over(self, peer)
+            if link.ended.is_set():  # (its reader may have ended before the hand-over: this owner learns it)
+                self.link_lost(link, None, "it closed the connection while the group was shrunk")
         return True
 
     def _forward(self, rank: int, links: list[Link]) -> None:
