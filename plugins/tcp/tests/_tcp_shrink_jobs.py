@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import torch
@@ -263,10 +262,3 @@ def abort_then_shrink() -> dict:
     u = torch.full((3,), float(r + 1))
     dist.all_reduce(u, group=new)
     return {"all_reduce": u.tolist() == [6.0] * 3, "epoch": resolve_group(new).backends["cpu"]._tr.epoch}
-
-
-# ------------------------------------------------------------------ helpers for threads
-def sleep_then(seconds: float, fn) -> threading.Thread:
-    thread = threading.Thread(target=lambda: (time.sleep(seconds), fn()), daemon=True)
-    thread.start()
-    return thread
