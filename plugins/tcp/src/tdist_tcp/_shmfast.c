@@ -7,7 +7,9 @@
  *
  *   per rank, at ctrl + rank * 256: uint32 counter, uint32 "sleeping" flag, uint32 pid,
  *   and at +16 + 24 * (seq & 1) the descriptor <QQIBBBx (seq, nbytes, root, op, redop,
- *   dtype); per rank, at data + (2 * rank + b) * slot, two data buffers.
+ *   dtype); per rank, at data + (2 * rank + b) * slot, two data buffers. A group made by
+ *   shrink_group keeps the segment of the group it came from: member q then uses the
+ *   control block and buffers of that group's rank slots[q] (the "slots" argument).
  *
  * A collective here is one step: write the descriptor (and this rank's data), post
  * the step (counter := k), wake sleeping peers, spin until every peer has posted k,
@@ -69,14 +71,17 @@ typedef struct {
     unsigned long long runs; /* collectives run() has started */
     char *dst;
     Py_ssize_t nbytes;
+    int *slots; /* member q's place in the segment (NULL: q) */
 } Fast;
 
-static inline volatile uint32_t *counter(Fast *f, int q) {
-    return (volatile uint32_t *)(f->base + f->ctrl + (Py_ssize_t)q * CTRL_BYTES);
-}
+static inline Py_ssize_t place(Fast *f, int q) { return f->slots ? f->slots[q] : q; }
+
+static inline char *control(Fast *f, int q) { return f->base + f->ctrl + place(f, q) * CTRL_BYTES; }
+
+static inline volatile uint32_t *counter(Fast *f, int q) { return (volatile uint32_t *)control(f, q); }
 
 static inline char *buffer(Fast *f, int q, int b) {
-    return f->base + f->data + (Py_ssize_t)(2 * q + b) * f->slot;
+    return f->base + f->data + (2 * place(f, q) + b) * f->slot;
 }
 
 static inline int reached(Fast *f, int q, uint32_t k) {
@@ -99,7 +104,7 @@ static void put_desc(Fast *f, uint64_t seq, uint64_t nbytes, uint32_t root, int 
     d[21] = (unsigned char)redop;
     d[22] = (unsigned char)dtype;
     d[23] = 0;
-    memcpy(f->base + f->ctrl + (Py_ssize_t)f->rank * CTRL_BYTES + DESC_AT + DESC_BYTES * (seq & 1), d, DESC_BYTES);
+    memcpy(control(f, f->rank) + DESC_AT + DESC_BYTES * (seq & 1), d, DESC_BYTES);
 }
 
 /* Post step k and wake any peer that sleeps on our counter. */
@@ -187,10 +192,9 @@ static int wait_peers(Fast *f, uint32_t k) {
 
 static int descs_agree(Fast *f) {
     Py_ssize_t at = DESC_AT + DESC_BYTES * (f->seq & 1);
-    const char *mine = f->base + f->ctrl + (Py_ssize_t)f->rank * CTRL_BYTES + at;
+    const char *mine = control(f, f->rank) + at;
     for (int q = 0; q < f->size; q++)
-        if (q != f->rank && memcmp(mine, f->base + f->ctrl + (Py_ssize_t)q * CTRL_BYTES + at, DESC_BYTES))
-            return 0;
+        if (q != f->rank && memcmp(mine, control(f, q) + at, DESC_BYTES)) return 0;
     return 1;
 }
 
@@ -385,16 +389,39 @@ static PyObject *Fast_abandon(Fast *f, PyObject *Py_UNUSED(ignored)) {
 }
 
 static int Fast_init(Fast *f, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"address", "ctrl", "data", "slot", "rank", "size", "spin_ns", "yield_", "adaptive", NULL};
+    static char *kwlist[] = {"address", "ctrl", "data", "slot", "rank",     "size",
+                             "spin_ns", "yield_", "adaptive", "slots", NULL};
     unsigned long long addr;
     long long spin_ns;
     int yield, adaptive = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KnnniiLp|p:Fast", kwlist, &addr, &f->ctrl, &f->data, &f->slot,
-                                     &f->rank, &f->size, &spin_ns, &yield, &adaptive))
+    PyObject *slots = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KnnniiLp|pO:Fast", kwlist, &addr, &f->ctrl, &f->data, &f->slot,
+                                     &f->rank, &f->size, &spin_ns, &yield, &adaptive, &slots))
         return -1;
     if (!addr || f->size < 1 || f->size > 4096 || f->rank < 0 || f->rank >= f->size || f->slot < 0) {
         PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.Fast: bad segment geometry");
         return -1;
+    }
+    PyMem_Free(f->slots);
+    f->slots = NULL;
+    if (slots != Py_None) { /* a sequence of size distinct places, each below 4096 */
+        PyObject *seq = PySequence_Fast(slots, "tdist_tcp._shmfast.Fast: slots must be a sequence");
+        if (!seq) return -1;
+        int ok = PySequence_Fast_GET_SIZE(seq) == f->size;
+        f->slots = ok ? PyMem_New(int, f->size) : NULL;
+        for (Py_ssize_t q = 0; ok && f->slots && q < f->size; q++) {
+            long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, q));
+            ok = v >= 0 && v < 4096 && !PyErr_Occurred();
+            for (Py_ssize_t o = 0; ok && o < q; o++) ok = f->slots[o] != v;
+            if (ok) f->slots[q] = (int)v;
+        }
+        Py_DECREF(seq);
+        if (!ok || !f->slots) {
+            PyMem_Free(f->slots);
+            f->slots = NULL;
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.Fast: bad slots");
+            return -1;
+        }
     }
     f->base = (char *)(uintptr_t)addr;
     f->spin_ns = spin_ns;
@@ -405,6 +432,11 @@ static int Fast_init(Fast *f, PyObject *args, PyObject *kwds) {
     f->rounds = 0;
     f->runs = 0;
     return 0;
+}
+
+static void Fast_dealloc(Fast *f) {
+    PyMem_Free(f->slots);
+    Py_TYPE(f)->tp_free((PyObject *)f);
 }
 
 static PyMethodDef Fast_methods[] = {
@@ -428,10 +460,12 @@ static PyTypeObject FastType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdist_tcp._shmfast.Fast",
     .tp_basicsize = sizeof(Fast),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = PyDoc_STR("Fast(address, ctrl, data, slot, rank, size, spin_ns, yield_, adaptive=False): one rank's view of a "
-                        "group's shared segment, for its one-step collectives. The caller keeps the mapping "
+    .tp_doc = PyDoc_STR("Fast(address, ctrl, data, slot, rank, size, spin_ns, yield_, adaptive=False, slots=None): one "
+                        "rank's view of a group's shared segment, for its one-step collectives (slots: each "
+                        "member's place in the segment, default its rank). The caller keeps the mapping "
                         "alive as long as this object is used."),
     .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)Fast_dealloc,
     .tp_init = (initproc)Fast_init,
     .tp_methods = Fast_methods,
     .tp_members = Fast_members,

@@ -5,7 +5,8 @@ that waits for them (see :mod:`tdist_tcp.lanes`); a caller that waits for a smal
 collective over shared memory skips the lane's queue and runs it with one call into
 the C part (:meth:`TcpBackend._quick`); sends have their own lane and receives need no
 thread of their own (the process's I/O loop completes them), so point-to-point traffic
-never queues behind collectives. :mod:`tdist_tcp.factory` builds the backend.
+(:mod:`tdist_tcp.p2p`) never queues behind collectives. :mod:`tdist_tcp.factory` builds
+the backend; ``shrink_group`` makes a group's successor from it (:mod:`tdist_tcp.regroup`).
 
 Options (``pg_options`` of ``init_process_group`` or ``new_group``; the same on every
 rank): ``host`` (address to listen on and publish; else ``$TDIST_TCP_HOST``), ``ifname``
@@ -36,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 from tdist.plugin import (
     Backend,
     DistBackendError,
-    DistBackendTimeoutError,
     ReduceOp,
     Work,
     check_reduction,
@@ -44,9 +44,10 @@ from tdist.plugin import (
 )
 
 from . import algorithms as algo
-from . import native
+from . import native, regroup
 from .hierarchy import Hierarchy
 from .lanes import Lane, TcpWork
+from .p2p import PointToPoint
 from .shm import ShmEngine
 from .tensors import concat as _concat
 from .tensors import finalize as _finalize
@@ -55,8 +56,8 @@ from .tensors import output as _output
 from .tensors import prescale as _prescale
 from .tensors import source as _source
 from .topology import Layout
-from .transport import PostedRecv, Transport
-from .wire import OP_CODES, P2P, byte_view, dtype_code, pack_header, redop_code
+from .transport import Transport
+from .wire import OP_CODES, byte_view, dtype_code, redop_code
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +75,6 @@ DEFAULTS = {
 
 #: What an operation run by :meth:`TcpBackend.run_blocking` in the calling thread returns: it is done.
 _RAN = Work.completed("tcp operation run in the calling thread")
-_INLINE_SEND = 64 << 10  # sends up to this size go out in the calling thread when nothing is queued
 _live: "weakref.WeakSet[TcpBackend]" = weakref.WeakSet()
 
 
@@ -87,7 +87,7 @@ def _shutdown_all() -> None:  # say goodbye to the peers even if the program nev
             pass
 
 
-class TcpBackend(Backend):
+class TcpBackend(PointToPoint, Backend):
     """One process group's tcp backend (built by :func:`create_backend`)."""
 
     name = "tcp"
@@ -109,6 +109,7 @@ class TcpBackend(Backend):
         super().__init__(rank, size, timeout)
         self._shm = shm
         self._authenticated = authenticated
+        self._options = dict(options)
         opts = {**DEFAULTS, **{k: v for k, v in options.items() if k in DEFAULTS}}
         self._tr = transport
         self._me = transport.me
@@ -128,6 +129,7 @@ class TcpBackend(Backend):
         self._scratch = algo.Scratch()
         self._p2p_seq = [0] * size
         self._shut = False
+        self._retired = False  # shrink_group took its connections and segment (see regroup)
         self._shut_lock = threading.Lock()
         self._in_collective = False  # a collective job runs (shutdown waits before unmapping)
         # the thread inside run_blocking, whose collectives run at once in that thread
@@ -161,8 +163,8 @@ class TcpBackend(Backend):
             c = algo.Coll(tr, opcode, rcode, seq, dcode, time.monotonic() + timeout, scratch, nbytes)
             self._in_collective = True  # (then _shut: see shutdown, which sets them in the other order)
             try:
-                if self._shut:
-                    raise DistBackendError(f"tcp backend: {tr.me}'s process group was destroyed")
+                if self._shut or self._retired:
+                    raise self._gone()
                 return body(c)
             except BaseException as exc:
                 error = self._failed(name, exc)
@@ -177,6 +179,10 @@ class TcpBackend(Backend):
         work = TcpWork(f"tcp {name} on {self._me}", self._work_timeout)
         self._coll_lane.submit(job, work)
         return work
+
+    def _gone(self) -> DistBackendError:
+        what = "shrunk (use the group shrink_group returned)" if self._retired else "destroyed"
+        return DistBackendError(f"tcp backend: {self._tr.me}'s process group was {what}")
 
     def _codes_of(self, redop: Optional["Reduction"], dtype: Any) -> tuple[int, int, int, int]:
         """The wire codes of (reduce op, dtype), and :mod:`tdist_tcp.native`'s element type and
@@ -240,8 +246,8 @@ class TcpBackend(Backend):
             seq = tr.issued = self._seq
             opcode = OP_CODES[name]
             self._in_collective = True  # (then _shut: see shutdown, which sets them in the other order)
-            if self._shut:
-                raise DistBackendError(f"tcp backend: {tr.me}'s process group was destroyed")
+            if self._shut or self._retired:
+                raise self._gone()
             shm: ShmEngine = self._shm  # type: ignore[assignment]
             outcome = shm.fast.run(kind, seq, opcode, rcode, dcode, address, nbytes, root, etype, eop)
             if outcome:
@@ -288,71 +294,6 @@ class TcpBackend(Backend):
         the shared segment, which could then not be unmapped at destroy."""
         if self.uses_shm:
             traceback.clear_frames(exc.__traceback__)
-
-    # ---------------------------------------------------------- point-to-point
-    def send(self, tensor: "torch.Tensor", dst: int, tag: int) -> Work:
-        tr = self._tr
-        work = TcpWork(f"tcp send from {tr.me} to {tr.label(dst)} (tag {tag})", self._work_timeout)
-        if dst == self.rank or not 0 <= dst < self.size:
-            work.set_exception(ValueError(f"tcp backend: send to rank {dst} from rank {self.rank}"))
-            return work
-        if tr.broken is not None:
-            work.set_exception(tr.broken)
-            return work
-        src = _source(tensor)
-        view = byte_view(src)
-        self._p2p_seq[dst] += 1
-        header = pack_header(
-            P2P, OP_CODES["send"], 0, dtype_code(src.dtype), tag, self._p2p_seq[dst], len(view), tuple(tensor.shape)
-        )
-
-        def job() -> list:
-            tr.send(dst, header, view)
-            return [tensor]
-
-        # a small frame fits the socket buffer: send it now (isend returns at once either
-        # way); a large one goes to the send lane's worker, started at once
-        if len(view) > _INLINE_SEND or not self._send_lane.try_inline(job, work):
-            self._send_lane.submit(job, work, eager=True)
-        return work
-
-    def recv(self, tensor: "torch.Tensor", src: Optional[int], tag: int) -> Work:
-        tr = self._tr
-        where = "any rank" if src is None else tr.label(src)
-        work = TcpWork(f"tcp recv on {tr.me} from {where} (tag {tag})", self._timeout_s)
-        if src is not None and (src == self.rank or not 0 <= src < self.size):
-            work.set_exception(ValueError(f"tcp backend: recv from rank {src} on rank {self.rank}"))
-            return work
-        flat, back = _output(tensor)
-
-        def done(pr: PostedRecv) -> None:
-            if pr.error is not None:
-                work.set_exception(pr.error)
-                return
-            if back is not None:
-                back.copy_(flat.view(back.shape))
-            work.set_result([tensor], pr.source)
-
-        try:
-            pr = tr.post_p2p(src, tag, dtype_code(flat.dtype), byte_view(flat), done)
-        except DistBackendError as exc:
-            work.set_exception(exc)
-            return work
-        timeout = self._timeout_s
-
-        def on_timeout(w: TcpWork) -> bool:
-            if not tr.cancel_p2p(pr):
-                return False
-            w.set_exception(
-                DistBackendTimeoutError(
-                    f"tcp backend: {tr.me} timed out in recv from {where} (tag {tag}): nothing arrived "
-                    f"(group timeout {timeout:g} s)"
-                )
-            )
-            return True
-
-        work._on_timeout = on_timeout
-        return work
 
     # ------------------------------------------------------------- collectives
     def broadcast(self, tensor: "torch.Tensor", src: int) -> Work:
@@ -633,8 +574,23 @@ class TcpBackend(Backend):
         """Fail this rank's pending operations and its peers' (the transport tells every
         peer, also those never connected), then release everything as :meth:`shutdown`."""
         if not self._shut:
+            regroup.forbid_reuse(self._tr)  # a later shrink_group cannot take what is released here
             self._tr.abort()
         self.shutdown()
+
+    def shrink(
+        self,
+        survivors: Sequence[int],
+        *,
+        store: Any,
+        global_ranks: Sequence[int],
+        options: dict[str, Any],
+        abort: bool,
+    ) -> Optional[Backend]:
+        """``shrink_group``: the survivors' group on this group's connections and segment
+        (:func:`tdist_tcp.regroup.shrink`; it fails this group's pending operations first,
+        with or without ``abort``), or None where those cannot be reused."""
+        return regroup.shrink(self, survivors, store, global_ranks, options)
 
     def threads(self) -> list[threading.Thread]:
         """The threads this backend started that are still alive (for leak checks)."""

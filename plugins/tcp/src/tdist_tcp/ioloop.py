@@ -76,6 +76,15 @@ class IOLoop:
         self._queue(op)
         op.done.wait(wait)
 
+    def sync(self, wait: float = 5.0) -> None:
+        """Return once every (un)registration queued before this call is done (or after
+        ``wait`` s): a handler replaced by :meth:`register` is then called no more."""
+        if threading.current_thread() is self._thread:
+            return
+        op = _Op(False, None, None)
+        self._queue(op)
+        op.done.wait(wait)
+
     def thread(self) -> Optional[threading.Thread]:
         """The loop's thread while it runs."""
         return self._thread

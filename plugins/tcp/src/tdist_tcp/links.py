@@ -9,6 +9,16 @@ with non-blocking ``recv_into`` calls on the destination's memoryview slice, res
 it stopped when the socket runs dry. It never blocks and reads at most
 :data:`READ_BUDGET` bytes per turn, so one busy link does not starve the others.
 
+A link can change hands (``shrink_group``, :mod:`tdist_tcp.regroup`): each owner has an
+*epoch*, and a link delivers a frame only while its :attr:`Link.rx` (the epoch of the
+frames now arriving) is its owner's; a MARK frame from the peer starts its next epoch.
+:meth:`Link.hand_over` names the next owner, which the reader takes at the next frame
+boundary (frames of the old epoch, still arriving, are then read and dropped); a MARK of
+an epoch beyond its owner's, with no next owner named yet, *parks* the link: it leaves
+the loop, its buffered bytes kept, until :meth:`Link.hand_over` brings it back. Sends
+name their transport (:attr:`Link.sender`), so an old owner can never send on a link
+handed over.
+
 Also here: :class:`PostedRecv` (a receive waiting for one frame), :class:`Stashed` (a
 frame that arrived first), :class:`Peer` (a rank's links and P2P stash) and the small
 helpers the transport's errors use.
@@ -26,13 +36,24 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import numpy as np
 from tdist.plugin import WOULD_BLOCK, DistBackendTimeoutError
 
-from .ioloop import AGAIN, DONE, WAIT
-from .wire import ABORT, BYE, COLL, FRAME_MAGIC, HEADER, OP_ACK, P2P, PROBE, STATE, part_name
+from .ioloop import AGAIN, DONE, WAIT, io_loop
+from .wire import ABORT, BYE, COLL, FRAME_MAGIC, HEADER, MARK, OP_ACK, P2P, PROBE, STATE, pack_header, part_name
 
 if TYPE_CHECKING:
     from .transport import Transport
 
-__all__ = ["PostedRecv", "Stashed", "Link", "Peer", "FrameTimeout", "clip_reason", "timeout_error", "send_control"]
+__all__ = [
+    "PostedRecv",
+    "Stashed",
+    "Link",
+    "Peer",
+    "FrameTimeout",
+    "clip_reason",
+    "timeout_error",
+    "send_control",
+    "send_mark",
+    "close_links",
+]
 
 _READ_BUFFER = 64 << 10  # a reader's buffered chunk (headers and small payloads)
 _READ_AHEAD = 8 << 10  # bytes a reader asks for beyond the header it needs
@@ -158,6 +179,12 @@ class Link:
         "coll_stash",
         "said_bye",
         "ended",
+        "rx",
+        "sender",
+        "owed",
+        "_next",
+        "_parked",
+        "_handoff",
         "_buf",
         "_mv",
         "_start",
@@ -181,6 +208,12 @@ class Link:
         self.coll_stash: deque[Stashed] = deque()
         self.said_bye = False
         self.ended = threading.Event()  # its reader saw the end of the connection (or gave up on it)
+        self.rx: int = owner.epoch  # the epoch of the frames arriving now (delivered if it is the owner's)
+        self.sender: Any = owner  # the transport that may send on it (checked under send_lock)
+        self.owed = 0  # bytes of a frame cut short (a send that gave up), still owed to the peer
+        self._next: Optional[tuple[Any, Peer]] = None  # the next (owner, peer), see hand_over
+        self._parked = False
+        self._handoff = threading.Lock()
         self._buf = bytearray(_READ_BUFFER)
         self._mv = memoryview(self._buf)
         self._start = self._end = 0
@@ -209,8 +242,39 @@ class Link:
             problem = f"reader failed: {type(exc).__name__}: {exc}"
         current, self._current = self._current, None
         self.ended.set()
+        self._adopt()  # a link handed over: its new owner learns that it ended
         self.owner.link_lost(self, current, problem)
         return DONE
+
+    # ------------------------------------------------------------ changing hands
+    def hand_over(self, owner: Any, peer: "Peer") -> None:
+        """Make ``owner`` (its ``peer``) this link's reader's owner from the next frame on
+        (any thread); a parked link goes back into the I/O loop."""
+        with self._handoff:
+            self._next = (owner, peer)
+            parked, self._parked = self._parked, False
+        if parked:
+            io_loop().register(self.sock, self)
+
+    def _adopt(self) -> tuple[Any, "Peer"]:
+        """Take the next owner if one is named; the (owner, peer) now."""
+        if self._next is not None:
+            with self._handoff:
+                taken, self._next = self._next, None
+            if taken is not None:
+                self.owner, self.peer = taken
+        return self.owner, self.peer
+
+    def _adopt_or_park(self) -> Optional[tuple[Any, "Peer"]]:
+        """Take the next owner: (owner, peer); None if none is named yet: the link is then
+        parked (its reader returns DONE and :meth:`hand_over` brings it back)."""
+        with self._handoff:
+            taken, self._next = self._next, None
+            if taken is None:
+                self._parked = True
+                return None
+        self.owner, self.peer = taken
+        return taken
 
     def abandon(self, error: BaseException) -> None:
         """Fail the frame being read (the loop no longer serves this link)."""
@@ -241,6 +305,8 @@ class Link:
         budget = READ_BUDGET
         while True:
             if not self._payload:
+                if self._next is not None:  # handed over: the new owner's from this frame on
+                    owner, peer = self._adopt()
                 if self._end - self._start < hsize:
                     self._fill(hsize)
                 magic, kind, op, redop, dtype, ndim, tag, seq, nbytes = HEADER.unpack_from(self._buf, self._start)
@@ -251,8 +317,22 @@ class Link:
                     self._fill(hlen)
                 shape = struct.unpack_from(f"<{ndim}q", self._buf, self._start + hsize) if ndim else ()
                 self._start += hlen
-                target: Optional[memoryview]
-                if kind == COLL:
+                target: Optional[memoryview] = None
+                if kind == MARK:  # the peer's next epoch starts: a later owner's frames follow
+                    if nbytes:
+                        raise _Corrupt(f"{nbytes}-byte epoch mark")
+                    self.rx = seq
+                    while seq > owner.epoch:
+                        adopted = self._adopt_or_park()
+                        if adopted is None:
+                            return DONE  # parked: hand_over brings it back
+                        owner, peer = adopted
+                    continue
+                if self.rx != owner.epoch:  # an earlier epoch's frame (its group is gone): dropped
+                    if kind not in (COLL, P2P, ABORT, BYE, PROBE, STATE) or (kind >= ABORT and nbytes > (1 << 20)):
+                        raise _Corrupt(f"a {nbytes}-byte frame of kind {kind} from an earlier epoch")
+                    self._current, kind = None, 0
+                elif kind == COLL:
                     target, self._current = owner.on_coll(peer, self, op, redop, seq, dtype, nbytes, shape, tag)
                 elif kind == P2P:
                     target, self._current = owner.on_p2p(peer, tag, dtype, seq, nbytes, shape)
@@ -263,7 +343,6 @@ class Link:
                         owner.on_probe(peer, seq)
                     else:
                         owner.on_state(peer, seq, tag)
-                    target = None
                 elif kind == ABORT or kind == BYE:
                     if nbytes > (1 << 20):
                         raise _Corrupt(f"{nbytes}-byte control frame")
@@ -372,13 +451,56 @@ def timeout_error(message: str, missing: Sequence[int]) -> DistBackendTimeoutErr
     return err
 
 
-def send_control(link: Link, frame: bytes, limit: float) -> bool:
-    """Best-effort send of a small control frame without blocking longer than ``limit``."""
+def send_control(link: Link, frame: bytes, limit: float, sender: Any = None) -> bool:
+    """Best-effort send of a small control frame without blocking longer than ``limit``
+    (``sender``: the transport sending, which must still hold the link)."""
     deadline = time.monotonic() + limit
     if not link.send_lock.acquire(True, limit):
         return False
     try:
-        view = memoryview(frame)
+        if sender is not None and link.sender is not sender:
+            return False
+        return _send_all(link, frame, deadline)
+    finally:
+        link.send_lock.release()
+
+
+def send_mark(link: Link, sender: Any, epoch: int, limit: float) -> bool:
+    """Start ``sender``'s ``epoch`` on ``link`` (``shrink_group``): the bytes still owed of
+    a frame cut short (zeros: that frame's epoch is over, its receiver drops it), then a
+    MARK; from then on only ``sender`` sends on it. False if that took over ``limit`` s."""
+    deadline = time.monotonic() + limit
+    if not link.send_lock.acquire(True, limit):
+        return False
+    try:
+        link.sender = sender
+        owed, link.owed = link.owed, 0
+        while owed:
+            chunk = min(owed, 1 << 20)
+            if not _send_all(link, bytes(chunk), deadline):
+                return False
+            owed -= chunk
+        return _send_all(link, pack_header(MARK, 0, 0, 0, 0, epoch, 0), deadline)
+    finally:
+        link.send_lock.release()
+
+
+def close_links(links: Sequence[Link], error: BaseException) -> None:
+    """Take ``links`` out of the I/O loop and close them (a frame being read fails with ``error``)."""
+    loop = io_loop()
+    for link in links:
+        loop.unregister(link.sock)
+        link.abandon(error)
+        try:
+            link.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        link.sock.close()
+
+
+def _send_all(link: Link, data: bytes, deadline: float) -> bool:
+    view = memoryview(data)
+    try:
         while view:
             try:
                 view = view[link.sock.send(view, _DONTWAIT) :]
@@ -386,8 +508,6 @@ def send_control(link: Link, frame: bytes, limit: float) -> bool:
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.005)
-        return True
     except OSError:
         return False
-    finally:
-        link.send_lock.release()
+    return True

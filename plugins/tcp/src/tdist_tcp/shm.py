@@ -215,10 +215,13 @@ class ShmEngine(ShmSteps):
         options: Mapping[str, Any],
         direct_bytes: Optional[int] = None,
         ranks: Optional[Sequence[int]] = None,
+        slots: Optional[Sequence[int]] = None,
+        places: Optional[int] = None,
     ) -> None:
         """``direct_bytes`` (member 0's, the same everywhere): the largest one-step all_reduce;
-        ``ranks``: the group ranks of the members (None: the whole group)."""
-        super().__init__(mm, rank, size, slot, transport, options, ranks)
+        ``ranks``: the group ranks of the members (None: the whole group); ``slots`` and
+        ``places``: see :class:`~tdist_tcp.shmstep.ShmSteps`."""
+        super().__init__(mm, rank, size, slot, transport, options, ranks, slots, places)
         # the one-step all_reduce reads p times the data: worth it while that stays small
         if direct_bytes is None:
             direct_bytes = int(options.get("shm_direct_bytes", DEFAULT_DIRECT_BYTES // size))
@@ -227,6 +230,42 @@ class ShmEngine(ShmSteps):
         #: the largest broadcast / reduction the C steps take (the one-step algorithms only)
         self.quick_bytes = min(native.QUICK_BYTES, slot)
         self.quick_reduce_bytes = min(native.QUICK_BYTES, self.direct_bytes)
+
+    def successor(
+        self,
+        keep: Sequence[int],
+        transport: "Transport",
+        options: Mapping[str, Any],
+        epoch: int,
+        deadline: float,
+        ranks: Optional[Sequence[int]] = None,
+    ) -> "ShmEngine":
+        """This segment for the members ``keep`` (indices here, increasing, this one among
+        them) of the group ``shrink_group`` makes (``transport`` its; ``ranks``: their group
+        ranks there, None: the whole group): each keeps its control block and buffers, and
+        the new epoch starts once all of them came (:meth:`fence`). This engine lets go of
+        the mapping then (never unmaps it). The caller makes sure none of this group's
+        collectives runs or will run on it."""
+        slots = [self.slots[m] for m in keep]
+        engine = ShmEngine(
+            self.mm,
+            keep.index(self.r),
+            len(keep),
+            self.S,
+            transport,
+            options,
+            self.direct_bytes,
+            ranks,
+            slots,
+            self.places,
+        )
+        try:
+            engine.fence(epoch, deadline)
+        except BaseException:
+            engine.close(unmap=False)
+            raise
+        self.close(unmap=False)
+        return engine
 
     # -------------------------------------------------------------- collectives
     def barrier(self, c: "Coll") -> None:

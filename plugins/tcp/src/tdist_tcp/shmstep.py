@@ -18,6 +18,16 @@ reduce op, dtype, size, root) and every rank compares its peers' with its own
 the transport, which wakes the waiters here); a peer that destroyed its group, the
 group timeout and a broken group raise as on the socket path.
 
+A group made by ``shrink_group`` keeps its predecessor's segment (:meth:`ShmSteps.successor`):
+member q keeps the control block and buffers of its *slot* (its place in the segment, the
+rank it had there), the lost ranks' slots are never read again, and :meth:`ShmSteps.fence`
+starts the new epoch: each member, once nothing of the old group runs on it any more,
+publishes its last counter and the epoch in its control block and waits until every
+member has; then each sets its counter to the same base, half the counter space beyond
+the old counters (so a rank still waiting in an old step, one excluded while alive, never
+takes a new step for its own), says so and waits until every member has (so no member
+takes another's old counter for a new step).
+
 The memory ordering relied upon (a counter's store seen after the data stores before
 it) is x86's, hence the x86-64 restriction. The C part (:mod:`tdist_tcp.native`,
 :attr:`ShmSteps.fast`) follows this protocol exactly and shares the counters.
@@ -51,6 +61,8 @@ __all__ = ["ShmSteps", "layout", "set_pid", "CTRL", "DESC", "DESC_AT", "DESC_STR
 
 CTRL = 256  # control bytes per rank
 _CTR, _FLAG, _PID = 0, 1, 2  # uint32 words of a control block
+#: (words 4-15: the descriptors) a fence's: the counter before it, its epoch, and the epoch once counting from its base
+_LAST, _EPOCH, _BASED = 16, 17, 18
 DESC = struct.Struct("<QQIBBBx")  # seq, nbytes, root, op, redop, dtype
 DESC_AT = 16  # two descriptors (by collective parity) from here: in the counter's cache line
 DESC_STRIDE = DESC.size
@@ -67,6 +79,18 @@ def layout(size: int, slot: int) -> tuple[int, int, int]:
 def set_pid(mm: mmap.mmap, size: int, slot: int, rank: int) -> None:
     """Publish this rank's pid (ranks that are threads of one process never spin)."""
     struct.pack_into("<I", mm, layout(size, slot)[0] + rank * CTRL + 4 * _PID, os.getpid() & _MASK)
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process ``pid`` (of this pid namespace) has exited (a zombie too)."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[:1]
+    except OSError:
+        return True
+    return state in (["Z"], ["X"])
 
 
 class _Counters:
@@ -92,28 +116,37 @@ class ShmSteps:
         transport: "Transport",
         options: Mapping[str, Any],
         ranks: Optional[Sequence[int]] = None,
+        slots: Optional[Sequence[int]] = None,
+        places: Optional[int] = None,
     ) -> None:
+        """``slots``: each member's place in a segment made for ``places`` ranks (a group
+        made by ``shrink_group``); None: member q is at place q of ``size``."""
         self.mm = mm
         self.r, self.p = rank, size
         #: the group rank of each member (``rank``, ``size`` and the peers here count members);
         #: ``ranks`` None: the whole group
         self.ranks = list(ranks) if ranks is not None else list(range(size))
+        #: each member's place in the segment (the control block and buffers it uses)
+        self.slots = list(slots) if slots is not None else list(range(size))
+        self.places = places if places is not None else size
         self.S = slot
         self.tr = transport
-        ctrl, data, _total = layout(size, slot)
+        ctrl, data, _total = layout(self.places, slot)
         self._ctrl_off, self._data_off = ctrl, data
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         self.u8 = np.frombuffer(mm, dtype=np.uint8)
         self._t8: Any = None
         words = CTRL // 4
-        self.ctl = (ctypes.c_uint32 * (size * words)).from_buffer(mm, ctrl)
-        self._me_ctr = rank * words + _CTR
-        self._me_flag = rank * words + _FLAG
-        self._my_addr = self.base + ctrl + rank * CTRL
+        at = [place * words for place in self.slots]  # each member's first control word
+        self.ctl = (ctypes.c_uint32 * (self.places * words)).from_buffer(mm, ctrl)
+        self._me_ctr = at[rank] + _CTR
+        self._me_flag = at[rank] + _FLAG
+        self._my_addr = self.base + ctrl + self.slots[rank] * CTRL
         self._peers = [q for q in range(size) if q != rank]
-        self._peer_ctr = [(q, q * words + _CTR, self.base + ctrl + q * CTRL) for q in self._peers]
-        self._peer_flags = [q * words + _FLAG for q in self._peers]
-        self._my_desc = [ctrl + rank * CTRL + DESC_AT, ctrl + rank * CTRL + DESC_AT + DESC_STRIDE]
+        self._peer_ctr = [(q, at[q] + _CTR, self.base + ctrl + self.slots[q] * CTRL) for q in self._peers]
+        self._peer_flags = [at[q] + _FLAG for q in self._peers]
+        mine = ctrl + self.slots[rank] * CTRL + DESC_AT
+        self._my_desc = [mine, mine + DESC_STRIDE]
         # A rank may post a collective's descriptor while a slower peer still checks the
         # previous one, never the one before (that peer has stepped since): two slots, by
         # collective parity. Every collective of the group steps here when the segment is the
@@ -136,9 +169,11 @@ class ShmSteps:
         ext = native.native_module(options)
         if ext is not None:
             pol = self.policy
-            self.fast = ext.Fast(
-                self.base, ctrl, data, slot, rank, size, int(pol.spin * 1e9), self._yield, pol.adaptive
-            )
+            args = (self.base, ctrl, data, slot, rank, size, int(pol.spin * 1e9), self._yield, pol.adaptive)
+            try:
+                self.fast = ext.Fast(*args, slots=None if slots is None else self.slots)
+            except TypeError:  # a C part built before slots existed: the Python steps, for a shrunken group
+                self.fast = ext.Fast(*args) if slots is None else None
         #: ``k``: steps posted, ``rounds``: rounds begun (buffer parity); the C part's own when
         #: there is one, since its collectives advance them too
         self.n: Any = self.fast if self.fast is not None else _Counters()
@@ -188,7 +223,7 @@ class ShmSteps:
         return arr
 
     def off(self, q: int, b: int) -> int:
-        return self._data_off + (2 * q + b) * self.S
+        return self._data_off + (2 * self.slots[q] + b) * self.S
 
     def _next_buffer(self) -> int:
         n = self.n
@@ -200,7 +235,7 @@ class ShmSteps:
         """The waiting policy of this segment: its members' pids are all published by now
         (every member set its own before answering ``ok``)."""
         words = CTRL // 4
-        pids = [int(self.ctl[q * words + _PID]) for q in self._peers]
+        pids = [int(self.ctl[self.slots[q] * words + _PID]) for q in self._peers]
         me = os.getpid() & _MASK
         return shmwait.decide(
             self.p,
@@ -211,17 +246,17 @@ class ShmSteps:
 
     def wake(self) -> None:
         """Wake every waiter of this segment (the transport broke or a peer left)."""
-        if self.mm.closed:
+        if self.mm.closed or self.closed:
             return
         for _q, _i, addr in self._peer_ctr:
             futex_wake(addr)
         futex_wake(self._my_addr)
 
-    def close(self) -> None:
-        """Unmap the segment and close its descriptor. The caller makes sure no collective
-        runs on it (the backend waits for the one in progress, woken by the broken
-        transport); a view of it still referenced elsewhere leaves it to the garbage
-        collector. Idempotent."""
+    def close(self, unmap: bool = True) -> None:
+        """Unmap the segment and close its descriptor (``unmap`` False: only let go of it,
+        handed to a successor). The caller makes sure no collective runs on it (the backend
+        waits for the one in progress, woken by the broken transport); a view of it still
+        referenced elsewhere leaves it to the garbage collector. Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -230,10 +265,50 @@ class ShmSteps:
         self._views, self._arrays, self._kernels, self._last_kernel = {}, {}, {}, (None, None, None)
         self._t8 = self.u8 = self.ctl = None  # type: ignore[assignment]  # closed: nothing mapped any more
         self._peer_ctr, self._peer_flags = [], []
+        if not unmap:
+            return
         try:
             self.mm.close()
         except BufferError:
             pass
+
+    # ------------------------------------------------------------------ fencing
+    def fence(self, epoch: int, deadline: float) -> None:
+        """Start ``epoch`` (``shrink_group``; see the module) on a new view of a segment:
+        publish this member's last counter and the epoch, wait until every member has
+        (nothing of the old group then runs on the segment on any of them: each publishes
+        only once its own old collective is over), and count on from the common base. A
+        member that does not come before ``deadline``, or whose process is gone, raises."""
+        ctl, words, epoch = self.ctl, CTRL // 4, epoch & _MASK
+        mine = self.slots[self.r] * words
+        ctl[mine + _LAST] = ctl[mine + _CTR]
+        ctl[mine + _EPOCH] = epoch  # (after _LAST: x86 keeps the stores' order)
+        self._await_all(_EPOCH, epoch, deadline)
+        lasts = [int(ctl[self.slots[q] * words + _LAST]) for q in range(self.p)]
+        top = lasts[0] + max(((v - lasts[0] + _HALF) & _MASK) - _HALF for v in lasts)  # (counters wrap)
+        base = (top + 2 + _HALF) & _MASK  # beyond every old step a rank may still wait for (<= top + 1)
+        ctl[mine + _CTR] = base
+        ctl[mine + _BASED] = epoch
+        self._await_all(_BASED, epoch, deadline)
+        self.n.k, self.n.rounds = base, 0
+
+    def _await_all(self, word: int, value: int, deadline: float) -> None:
+        """Wait until control word ``word`` of every member holds ``value`` (see :meth:`fence`)."""
+        ctl, words = self.ctl, CTRL // 4
+        pause = 0.0002
+        while True:
+            missing = [q for q in self._peers if ctl[self.slots[q] * words + word] != value]
+            if not missing:
+                return
+            gone = [q for q in missing if _process_gone(int(ctl[self.slots[q] * words + _PID]))]
+            if gone or time.monotonic() >= deadline:
+                names = ", ".join(self.tr.label(self.ranks[q]) for q in (gone or missing))
+                why = "exited" if gone else "did not come within the group's timeout"
+                raise DistBackendError(
+                    f"tcp backend: {self.tr.me} cannot start the shrunken group's shared memory: {names} {why}"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
 
     # ----------------------------------------------------------------- stepping
     def _slot(self, seq: int) -> int:
@@ -334,7 +409,7 @@ class ShmSteps:
     def _check(self, c: "Coll", desc: tuple) -> None:
         parity = self._slot(c.seq) * DESC_STRIDE
         for q in self._peers:
-            theirs = DESC.unpack_from(self.mm, self._ctrl_off + q * CTRL + DESC_AT + parity)
+            theirs = DESC.unpack_from(self.mm, self._ctrl_off + self.slots[q] * CTRL + DESC_AT + parity)
             if theirs == desc:
                 continue
             seq, nbytes, root, op, redop, dtype = theirs

@@ -37,14 +37,13 @@ while its peer's data comes in). Sends are made by the calling threads (blocking
 
 from __future__ import annotations
 
-import json
 import socket
 import struct
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-from tdist.plugin import DistBackendError, DistBackendTimeoutError
+from tdist.plugin import DistBackendError
 
 from .ioloop import io_loop
 from .links import (
@@ -58,8 +57,9 @@ from .links import (
     send_control,
     timeout_error,
 )
+from .handover import Handover
 from .verdicts import Verdicts
-from .wire import ABORT, BYE, pack_header
+from .wire import BYE, pack_header
 
 if TYPE_CHECKING:
     from .algorithms import Coll
@@ -71,7 +71,7 @@ _SMALL_SEND = 16 << 10  # payloads up to this size are sent joined to their head
 _SEND_SLICE = 0.5  # seconds a blocked send waits before it checks the group and its own timeout
 
 
-class Transport(Verdicts):
+class Transport(Handover, Verdicts):
     """The links to the peers of one group and the matching of frames to receives."""
 
     def __init__(
@@ -82,13 +82,20 @@ class Transport(Verdicts):
         timeout: float,
         global_ranks: Optional[Sequence[int]] = None,
         mesh: Optional["Mesh"] = None,
+        epoch: int = 0,
     ) -> None:
         """``sockets``: connections already made, by peer; ``mesh``: makes the others when
-        first needed (without one, a peer not in ``sockets`` cannot be reached)."""
+        first needed (without one, a peer not in ``sockets`` cannot be reached); ``epoch``:
+        how many shrinks made this group from the one built by the factory (see
+        :mod:`tdist_tcp.links`: the links' frames are this transport's in that epoch)."""
         self.rank = rank
         self.size = size
         self.timeout = timeout
         self.mesh = mesh
+        self.epoch = epoch
+        self.retired = False  # its links went to the group a shrink made (see retire)
+        #: that group's transport and its rank of each peer here (see retire)
+        self.successor: Optional[tuple["Transport", Mapping[int, int]]] = None
         self._global = list(global_ranks) if global_ranks else list(range(size))
         self._lock = threading.Lock()
         self._linked = threading.Condition(self._lock)  # a peer got its links (or a connect attempt ended)
@@ -160,11 +167,12 @@ class Transport(Verdicts):
                     self._linked.wait(min(deadline - now, peer.expect - now if waiting else 1.0))
                 if peer.links:
                     return
-                if self.mesh is None or self._closing:
+                if self.mesh is None or self._closing or self.retired:
                     raise DistBackendError(f"tcp backend: {self.me} has no connection to {peer.label}")
                 peer.connecting = True
             socks: Optional[list[Any]] = None
             ok = False
+            late: list[Link] = []
             try:
                 socks = self.mesh.connect(peer.rank, deadline)
                 ok = True
@@ -182,10 +190,12 @@ class Transport(Verdicts):
                 with self._lock:
                     peer.connecting = False
                     if socks:
-                        self._attach_locked(peer, socks)
+                        late = self._attach_locked(peer, socks)
                     elif ok:  # the peer is connecting to this rank: wait for it a while, then try again
                         peer.expect = time.monotonic() + 1.0
                     self._linked.notify_all()
+                if late:
+                    self._forward(peer.rank, late)
 
     def admit(self, rank: int) -> bool:
         """Whether to accept a connection that ``rank`` is opening (its first stream, proved):
@@ -193,7 +203,7 @@ class Transport(Verdicts):
         lower rank's connection wins). Called by the listener in the I/O loop."""
         with self._lock:
             peer = self.peers[rank] if 0 <= rank < self.size else None
-            if peer is None or self._closing or peer.links or peer.closed is not None:
+            if peer is None or self._closing or self.retired or peer.links or peer.closed is not None:
                 return False
             if peer.connecting and self.rank < rank:
                 return False
@@ -213,15 +223,20 @@ class Transport(Verdicts):
         with self._lock:
             peer = self.peers[rank]
             assert peer is not None
-            self._attach_locked(peer, socks)
+            late = self._attach_locked(peer, socks)
             self._linked.notify_all()
+        if late:
+            self._forward(rank, late)
 
-    def _attach_locked(self, peer: Peer, socks: Sequence[Any]) -> None:
+    def _attach_locked(self, peer: Peer, socks: Sequence[Any]) -> list[Link]:
+        """Make ``socks`` ``peer``'s links; the links to hand to the successor instead (see
+        :meth:`_forward`) when this transport is retired."""
         peer.incoming, peer.expect = False, 0.0
-        if self._closing or peer.links:  # too late, or a second set (never used): close it
+        late = self.retired and self.successor is not None and peer.rank in self.successor[1]
+        if (self._closing or self.retired or peer.links) and not late:  # too late, or a second set: closed
             for sock in socks:
                 sock.close()
-            return
+            return []
         slice_s = min(self.timeout, _SEND_SLICE)
         sndtimeo = struct.pack("ll", int(slice_s), int((slice_s % 1) * 1e6))
         for sock in socks:
@@ -229,10 +244,14 @@ class Transport(Verdicts):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, sndtimeo)
             except (OSError, OverflowError):
                 pass
-        peer.links = [Link(i, sock, peer, self) for i, sock in enumerate(socks)]
+        links = [Link(i, sock, peer, self) for i, sock in enumerate(socks)]
         loop = io_loop()
-        for link in peer.links:
+        for link in links:
             loop.register(link.sock, link)
+        if late:
+            return links
+        peer.links = links
+        return []
 
     # ---------------------------------------------------------------- sending
     def send(self, dst: int, header: bytes, payload: memoryview, coll: Optional["Coll"] = None, part: int = 0) -> None:
@@ -253,6 +272,8 @@ class Transport(Verdicts):
         sent = -1
         try:
             with link.send_lock:
+                if link.sender is not self:  # handed to the group a shrink made
+                    raise self.broken or DistBackendError(f"tcp backend: {self.me}'s process group was shrunk")
                 sock = link.sock
                 if n <= _SMALL_SEND:
                     data = header + payload if n else header
@@ -261,7 +282,7 @@ class Transport(Verdicts):
                     except (BlockingIOError, InterruptedError):  # nothing sent within SO_SNDTIMEO
                         sent = 0
                     if sent < len(data):
-                        self._push(sock, memoryview(data)[sent:], b"")
+                        self._push(link, memoryview(data)[sent:], b"")
                 else:
                     try:
                         sent = sock.sendmsg([header, payload])
@@ -269,7 +290,7 @@ class Transport(Verdicts):
                         sent = 0
                     if sent < len(header) + n:
                         self._push(
-                            sock,
+                            link,
                             memoryview(header)[sent:] if sent < len(header) else b"",
                             payload[max(0, sent - len(header)) :],
                         )
@@ -286,29 +307,34 @@ class Transport(Verdicts):
                 self.fail(err)
             raise
 
-    def _push(self, sock: socket.socket, first: Any, rest: Any) -> None:
+    def _push(self, link: Link, first: Any, rest: Any) -> None:
         """Send the rest of a frame (with the peer's send lock held). Each blocked call
         returns after SO_SNDTIMEO (a fraction of a second), so a group broken meanwhile
         ends the wait at once, and a peer that took nothing for the group's timeout
-        raises ``socket.timeout``."""
+        raises ``socket.timeout``; a frame cut short leaves ``link.owed`` bytes owed."""
+        sock = link.sock
         parts = [memoryview(p) for p in (first, rest) if len(p)]
         stalled = 0.0
-        while parts:
-            try:
-                sent = sock.sendmsg(parts)
-            except (BlockingIOError, InterruptedError):  # no progress for one SO_SNDTIMEO
-                stalled += min(self.timeout, _SEND_SLICE)
-                if self.broken is not None or stalled >= self.timeout:
-                    raise socket.timeout("send timed out") from None
-                continue
-            stalled = 0.0
-            while sent and parts:
-                if sent >= len(parts[0]):
-                    sent -= len(parts[0])
-                    parts.pop(0)
-                else:
-                    parts[0] = parts[0][sent:]
-                    sent = 0
+        try:
+            while parts:
+                try:
+                    sent = sock.sendmsg(parts)
+                except (BlockingIOError, InterruptedError):  # no progress for one SO_SNDTIMEO
+                    stalled += min(self.timeout, _SEND_SLICE)
+                    if self.broken is not None or stalled >= self.timeout:
+                        raise socket.timeout("send timed out") from None
+                    continue
+                stalled = 0.0
+                while sent and parts:
+                    if sent >= len(parts[0]):
+                        sent -= len(parts[0])
+                        parts.pop(0)
+                    else:
+                        parts[0] = parts[0][sent:]
+                        sent = 0
+        except BaseException:
+            link.owed = sum(len(p) for p in parts)
+            raise
 
     def _send_failed(self, peer: Peer, exc: OSError, coll: Optional["Coll"] = None) -> DistBackendError:
         if self.broken is not None:
@@ -533,87 +559,6 @@ class Transport(Verdicts):
             current.finish(err)
         self._peer_gone(peer, err, crashed=problem is not None and not self._closing)
 
-    # ---------------------------------------------------------------- failure
-    def add_break_callback(self, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` whenever the group breaks or a peer goes away (e.g. to wake
-        threads that wait on something other than a posted receive)."""
-        self._break_callbacks.append(fn)
-
-    def _notify_break(self) -> None:
-        for fn in list(self._break_callbacks):
-            try:
-                fn()
-            except Exception:
-                pass
-
-    def fail(self, err: DistBackendError, notify: bool = True) -> None:
-        """Break the group: every pending and later operation raises the first error.
-        With ``notify``, ABORT frames carrying ``err`` tell the peers (so they raise instead
-        of waiting); each rank sends them once, also when an ABORT broke its group first
-        and one of its own operations then fails (so a peer that the first rank could not
-        reach still hears of it)."""
-        with self._lock:
-            first = self.broken is None
-            if first:
-                self.broken = err
-                pending: list[Any] = list(self._p2p_posted)
-                self._p2p_posted.clear()
-                for peer in self.peers:
-                    if peer is not None:
-                        pending.extend(peer.take_posted())
-            tell = notify and not self._closing and not self._told_peers
-            if tell:
-                self._told_peers = True
-        if first:
-            for pr in pending:
-                pr.finish(err)
-            self._notify_break()
-        if tell:
-            reason = getattr(err, "abort_reason", None) or str(err)  # relay the origin's words, not nested
-            payload = json.dumps(
-                {
-                    "reason": reason[:4000],
-                    "timeout": isinstance(err, DistBackendTimeoutError),
-                    "missing": list(getattr(err, "missing_ranks", [])),
-                }
-            ).encode()
-            helper = threading.Thread(target=self._send_aborts, args=(payload,), name="tdist-tcp-abort", daemon=True)
-            self._helpers.append(helper)
-            helper.start()
-
-    def _send_aborts(self, payload: bytes) -> None:
-        frame = pack_header(ABORT, 0, 0, 0, 0, 0, len(payload)) + payload
-        for peer in self.peers:
-            if peer is not None and peer.closed is None and peer.links:
-                send_control(peer.links[0], frame, 2.0)
-        for peer in self.peers:  # then those never connected: they may wait for this rank too
-            if peer is not None and peer.closed is None and not peer.links and self.mesh is not None:
-                try:
-                    self.connect(peer, 1.0, broken_too=True)
-                except Exception:  # noqa: BLE001 - best effort: it times out by itself
-                    continue
-                send_control(peer.links[0], frame, 2.0)
-
-    def _peer_gone(self, peer: Peer, err: DistBackendError, crashed: bool) -> None:
-        with self._lock:
-            if peer.closed is None:
-                peer.closed = str(err)
-                peer.failed = err.failed_peer
-            pending: list[Any] = peer.take_posted()
-            everyone_gone = all(p is None or p.closed is not None for p in self.peers)
-            keep = []
-            for pr in self._p2p_posted:
-                if pr.src == peer.rank or (pr.src is None and everyone_gone):
-                    pending.append(pr)
-                else:
-                    keep.append(pr)
-            self._p2p_posted[:] = keep
-        for pr in pending:
-            pr.finish(err)
-        self._notify_break()
-        if crashed:
-            self.fail(err)
-
     # ---------------------------------------------------------------- closing
     def abort(self, wait: float = 5.0) -> None:
         """Break the group and tell every peer (ABORT frames, connecting to those never
@@ -636,7 +581,7 @@ class Transport(Verdicts):
         bye = pack_header(BYE, 0, 0, 0, 0, 0, 0)
         for peer, link in links:
             if peer.closed is None:
-                send_control(link, bye, 1.0)
+                send_control(link, bye, 1.0, self)
             try:
                 link.sock.shutdown(socket.SHUT_WR)
             except OSError:
@@ -656,8 +601,9 @@ class Transport(Verdicts):
             except OSError:
                 pass
             link.sock.close()
-        for helper in self._helpers:
-            helper.join(3.0)
+        if not self.retired:  # (a retired group's helper may still be connecting: nothing of it is needed)
+            for helper in self._helpers:
+                helper.join(3.0)
         loop.settle()
 
     def threads(self) -> list[threading.Thread]:

@@ -1,4 +1,9 @@
-"""What a rank says when an operation goes wrong: timeout verdicts (PROBE/STATE), mismatches, aborts.
+"""What a rank says when an operation goes wrong: timeout verdicts (PROBE/STATE), mismatches,
+aborts, and breaking the group.
+
+A group breaks (:meth:`Verdicts.fail`) on the first error that leaves it unusable: every
+pending and later operation raises it, and ABORT frames tell the peers (each rank sends
+them once). A peer that is gone fails only what needs it, unless it crashed.
 
 A collective that times out asks every peer how many collectives it has issued (a PROBE
 frame, answered with a STATE frame by the peer's I/O loop, so a busy or blocked rank
@@ -13,15 +18,16 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from tdist.plugin import DistBackendError, DistBackendTimeoutError
 
 from .links import Peer, PostedRecv, clip_reason, send_control, timeout_error
-from .wire import PROBE, STATE, describe, dtype_name, pack_header
+from .wire import ABORT, PROBE, STATE, describe, dtype_name, pack_header
 
 if TYPE_CHECKING:
     from .algorithms import Coll
+    from .mesh import Mesh
 
 __all__ = ["Verdicts"]
 
@@ -34,11 +40,18 @@ class Verdicts:
     timeout: float
     issued: int
     peers: list[Optional[Peer]]
+    mesh: Optional["Mesh"]
+    broken: Optional[DistBackendError]
     _lock: threading.Lock
     _probe_seq: int
     _probe_replies: dict[int, int]
     _probe_cv: threading.Condition
     _global: list[int]
+    _p2p_posted: list[PostedRecv]
+    _closing: bool
+    _told_peers: bool
+    _helpers: list[threading.Thread]
+    _break_callbacks: list[Callable[[], None]]
 
     @property
     def me(self) -> str:
@@ -87,7 +100,7 @@ class Verdicts:
                     self.connect(p, min(1.0, wait))
                 except Exception:  # noqa: BLE001 - it counts as silent
                     continue
-            if send_control(p.links[0], frame, 0.5):
+            if send_control(p.links[0], frame, 0.5, self):
                 asked.append(p)
         deadline = time.monotonic() + wait
         with self._probe_cv:
@@ -102,7 +115,9 @@ class Verdicts:
         return missing, silent
 
     def on_probe(self, peer: Peer, token: int) -> None:
-        send_control(peer.links[0], pack_header(STATE, 0, 0, 0, self.issued, token, 0), 1.0)
+        links = peer.links  # (none once handed over by a shrink)
+        if links:
+            send_control(links[0], pack_header(STATE, 0, 0, 0, self.issued, token, 0), 1.0, self)
 
     def on_state(self, peer: Peer, token: int, issued: int) -> None:
         with self._probe_cv:
@@ -128,12 +143,16 @@ class Verdicts:
 
     def abort_error(self, peer: Peer, payload: bytes) -> DistBackendError:
         """The error an ABORT frame from ``peer`` breaks this rank's group with: a
-        :class:`DistBackendTimeoutError` naming the missing ranks if the abort is a timeout's."""
+        :class:`DistBackendTimeoutError` naming the missing ranks if the abort is a timeout's;
+        its ``failed_peer`` is the rank whose loss ``peer`` relays (so a survivor that hears
+        of a loss from another survivor blames the lost rank, not the messenger), else ``peer``."""
+        failed = None
         try:
             info = json.loads(payload.decode("utf-8", "replace"))
             reason = str(info["reason"])
             missing = [int(q) for q in info.get("missing", ()) if 0 <= int(q) < self.size]
             timed_out = bool(info.get("timeout"))
+            failed = info.get("failed")
         except (ValueError, TypeError, KeyError, AttributeError):
             reason, missing, timed_out = payload.decode("utf-8", "replace"), [], False
         reason, missing = clip_reason(reason), sorted(set(missing))  # a peer's words, not a megabyte of them
@@ -143,6 +162,90 @@ class Verdicts:
             )
         else:
             err = DistBackendError(f"tcp backend: {peer.label} aborted the group: {reason}")
-        err.failed_peer = self._global[peer.rank]  # its failure, or one it relays
+        # the rank whose loss the peer relays (it learnt first), else the peer's own failure
+        relayed = type(failed) is int and failed >= 0 and failed in self._global and failed != self._global[self.rank]
+        err.failed_peer = failed if relayed else self._global[peer.rank]
         err.abort_reason = reason  # type: ignore[attr-defined]
         return err
+
+    # ---------------------------------------------------------------- failure
+    def add_break_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` whenever the group breaks or a peer goes away (e.g. to wake
+        threads that wait on something other than a posted receive)."""
+        self._break_callbacks.append(fn)
+
+    def _notify_break(self) -> None:
+        for fn in list(self._break_callbacks):
+            try:
+                fn()
+            except Exception:
+                pass
+
+    def fail(self, err: DistBackendError, notify: bool = True) -> None:
+        """Break the group: every pending and later operation raises the first error.
+        With ``notify``, ABORT frames carrying ``err`` tell the peers (so they raise instead
+        of waiting); each rank sends them once, also when an ABORT broke its group first
+        and one of its own operations then fails (so a peer that the first rank could not
+        reach still hears of it)."""
+        with self._lock:
+            first = self.broken is None
+            if first:
+                self.broken = err
+                pending: list[Any] = list(self._p2p_posted)
+                self._p2p_posted.clear()
+                for peer in self.peers:
+                    if peer is not None:
+                        pending.extend(peer.take_posted())
+            tell = notify and not self._closing and not self._told_peers
+            if tell:
+                self._told_peers = True
+        if first:
+            for pr in pending:
+                pr.finish(err)
+            self._notify_break()
+        if tell:
+            reason = getattr(err, "abort_reason", None) or str(err)  # relay the origin's words, not nested
+            payload = json.dumps(
+                {
+                    "reason": reason[:4000],
+                    "timeout": isinstance(err, DistBackendTimeoutError),
+                    "missing": list(getattr(err, "missing_ranks", [])),
+                    "failed": err.failed_peer,  # (global) the rank whose loss broke the group, if one did
+                }
+            ).encode()
+            helper = threading.Thread(target=self._send_aborts, args=(payload,), name="tdist-tcp-abort", daemon=True)
+            self._helpers.append(helper)
+            helper.start()
+
+    def _send_aborts(self, payload: bytes) -> None:
+        frame = pack_header(ABORT, 0, 0, 0, 0, 0, len(payload)) + payload
+        for peer in self.peers:
+            if peer is not None and peer.closed is None and peer.links:
+                send_control(peer.links[0], frame, 2.0, self)
+        for peer in self.peers:  # then those never connected: they may wait for this rank too
+            if peer is not None and peer.closed is None and not peer.links and self.mesh is not None:
+                try:
+                    self.connect(peer, 1.0, broken_too=True)
+                except Exception:  # noqa: BLE001 - best effort: it times out by itself
+                    continue
+                send_control(peer.links[0], frame, 2.0, self)
+
+    def _peer_gone(self, peer: Peer, err: DistBackendError, crashed: bool) -> None:
+        with self._lock:
+            if peer.closed is None:
+                peer.closed = str(err)
+                peer.failed = err.failed_peer
+            pending: list[Any] = peer.take_posted()
+            everyone_gone = all(p is None or p.closed is not None for p in self.peers)
+            keep = []
+            for pr in self._p2p_posted:
+                if pr.src == peer.rank or (pr.src is None and everyone_gone):
+                    pending.append(pr)
+                else:
+                    keep.append(pr)
+            self._p2p_posted[:] = keep
+        for pr in pending:
+            pr.finish(err)
+        self._notify_break()
+        if crashed:
+            self.fail(err)

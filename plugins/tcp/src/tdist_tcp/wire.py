@@ -5,7 +5,7 @@ Every message is one *frame*: a fixed :data:`HEADER` followed by ``ndim`` int64
 shape entries and ``nbytes`` raw bytes (a tensor's memory as it is, never pickle).
 
 Header fields (little endian): magic, kind (:data:`COLL`, :data:`P2P`, :data:`ABORT`,
-:data:`BYE`, :data:`PROBE`, :data:`STATE`), operation code, reduce-op code, dtype code, ndim, tag (P2P), sequence
+:data:`BYE`, :data:`PROBE`, :data:`STATE`, :data:`MARK`), operation code, reduce-op code, dtype code, ndim, tag (P2P), sequence
 number (the group's collective counter, or the per-pair P2P counter) and payload size.
 """
 
@@ -31,6 +31,7 @@ __all__ = [
     "BYE",
     "PROBE",
     "STATE",
+    "MARK",
     "KIND_NAMES",
     "OP_NAMES",
     "OP_CODES",
@@ -56,9 +57,19 @@ HELLO_MAGIC = b"TDISTTCP"  # starts every connection's handshake (tdist_tcp.auth
 
 #: ABORT's payload is JSON: {"reason": str, "timeout": bool, "missing": [group ranks]};
 #: PROBE asks a peer which collective it has reached (``seq``: the probe's number) and
-#: STATE answers it (``seq``: that number, ``tag``: the collectives it has issued)
-COLL, P2P, ABORT, BYE, PROBE, STATE = 1, 2, 3, 4, 5, 6
-KIND_NAMES = {COLL: "collective", P2P: "p2p", ABORT: "abort", BYE: "bye", PROBE: "probe", STATE: "state"}
+#: STATE answers it (``seq``: that number, ``tag``: the collectives it has issued);
+#: MARK starts a new epoch of the link (``seq``: the epoch): the frames after it belong
+#: to the group the link was handed to by ``shrink_group`` (see :mod:`tdist_tcp.regroup`)
+COLL, P2P, ABORT, BYE, PROBE, STATE, MARK = 1, 2, 3, 4, 5, 6, 7
+KIND_NAMES = {
+    COLL: "collective",
+    P2P: "p2p",
+    ABORT: "abort",
+    BYE: "bye",
+    PROBE: "probe",
+    STATE: "state",
+    MARK: "epoch mark",
+}
 
 #: an operation's code on the wire: tdist's (``OPERATION_CODES``), and one more for "ack"
 OP_CODES = {**OPERATION_CODES, "ack": max(OPERATION_CODES.values()) + 1}
