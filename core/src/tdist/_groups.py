@@ -58,6 +58,7 @@ class ProcessGroup:
         store: "Store",
         timeout: timedelta,
         backend_name: str,
+        options: Optional[dict[str, Any]] = None,
     ) -> None:
         self.name = name
         self.ranks = list(ranks)
@@ -69,6 +70,8 @@ class ProcessGroup:
         self.store = store
         self.timeout = timeout
         self.backend_name = backend_name
+        #: the backend options the group was built with (``shrink_group``'s default for its successor)
+        self.options = dict(options or {})
         self._seqs = itertools.count(1)  # next() is atomic: no lock on the hot path
         self._p2p_seqs = itertools.count(1)
         self._global_to_group = {g: i for i, g in enumerate(self.ranks)}

@@ -221,7 +221,7 @@ def _build_group(
         for backend in by_name.values():
             backend.shutdown()
         raise
-    return ProcessGroup(name, ranks, ranks.index(rank), backends, specs, group_store, timeout, display)
+    return ProcessGroup(name, ranks, ranks.index(rank), backends, specs, group_store, timeout, display, options)
 
 
 def init_process_group(

@@ -73,7 +73,7 @@ def shrink_group(
         for other in [g for g in STATE.groups if g is not pg]:
             destroy_process_group(other)
     devices = _same_devices(pg)
-    options = {**STATE.options, **(pg_options or {})}
+    options = {**pg.options, **(pg_options or {})}
     if is_world:  # renumbered: the survivors are the new world's ranks 0 .. n-1
         ranks, me = list(range(len(survivors))), survivors.index(pg.rank)
     else:

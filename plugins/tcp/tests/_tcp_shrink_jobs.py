@@ -215,10 +215,14 @@ def exclude_live_rank() -> dict:
 
 
 def exclude_and_exercise() -> dict:
-    """Ranks 1 and 2 shrink a subgroup [1, 2, 3] without 3; then ranks 0-2 exclude rank 3
-    (alive: it waits, then leaves) from the default group and use it twice."""
+    """Ranks 1 and 2 shrink a subgroup [1, 2, 3] without 3 (the shrunken subgroup keeps its
+    own options, and so its connections); then ranks 0-2 exclude rank 3 (alive: it waits,
+    then leaves) from the default group and use it twice."""
+    from tdist._groups import resolve_group
+
     r = dist.get_rank()
-    sub = dist.new_group([1, 2, 3])  # a subgroup shrinks too (its own connections): ranks 1 and 2 drop 3
+    # a subgroup shrinks too (its own connections): ranks 1 and 2 drop 3
+    sub = dist.new_group([1, 2, 3], pg_options={"streams": 2})
     dist.barrier()
     if r == 3:
         time.sleep(3.0)
@@ -227,7 +231,8 @@ def exclude_and_exercise() -> dict:
         pair = dist.shrink_group([2], group=sub)
         u = torch.full((2,), float(r))
         dist.all_reduce(u, group=pair)
-        sub_ok = u.tolist() == [3.0, 3.0] and _backend_of(pair)._tr.epoch == 1
+        kept = resolve_group(pair).options == {"streams": 2}
+        sub_ok = u.tolist() == [3.0, 3.0] and _backend_of(pair)._tr.epoch == 1 and kept
     before = snapshot()
     dist.shrink_group([3])
     after = snapshot()
