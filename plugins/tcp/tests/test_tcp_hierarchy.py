@@ -78,10 +78,14 @@ def test_suites_in_processes():
 @pytest.mark.parametrize("per_host", [2, 3])
 def test_conformance_kit_on_hierarchical_groups(per_host):
     """The whole conformance kit (tdist.testing's suite, 4 ranks) with every group's ranks
-    on "hosts" of ``per_host``: the hierarchy is invisible to torch.distributed programs."""
+    on "hosts" of ``per_host``: the hierarchy is invisible to torch.distributed programs.
+    Uneven hosts (3 + 1) run the bodies; the failure scenarios (the kit's slow part, about
+    2 minutes) run once, on even hosts."""
     env = dict(os.environ, TDIST_TCP_RANKS_PER_HOST=str(per_host))
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "tdist.testing.suite"]
     command += ["--tdist-backend", "tcp", "--tdist-world-sizes", "4"]
+    if per_host == 3:
+        command += ["-m", "not slow"]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
