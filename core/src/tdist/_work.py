@@ -4,13 +4,15 @@ Backends create a :class:`Work`, return it at once and later call
 :meth:`Work.set_result` or :meth:`Work.set_exception` from any thread.
 
 A backend whose library has its own request objects (MPI, gloo, CUDA events)
-subclasses :class:`Work` as a template and implements at most three hooks:
+subclasses :class:`Work` as a template and implements at most four hooks:
 
 - :meth:`Work._poll`: without blocking, whether the operation has finished (completing
   the Work when it has);
 - :meth:`Work._block`: block until it has finished or a timeout passes;
 - :meth:`Work._watch`: a done-callback waits on a pending Work: make sure something
-  notices completion (a poller thread) when nothing else would.
+  notices completion (a poller thread) when nothing else would;
+- :meth:`Work._expire`: the group's timeout passed in ``wait()``: give the operation up
+  (fail the Work) or leave it pending.
 
 ``wait``, ``is_completed``, callbacks and futures are the base class's. A done-callback
 (a work hook, a future) that raises is logged and ignored: it never reaches the
@@ -149,12 +151,20 @@ class Work:
         only when polled starts a poller here; the default does nothing (``set_result``
         runs the callbacks)."""
 
+    def _expire(self, limit: float) -> bool:
+        """``wait()`` (no timeout of its own) waited the group's timeout, ``limit`` seconds,
+        in vain. A backend that gives the operation up here fails the Work
+        (``set_exception``, e.g. a collective's timeout naming what it knows) and returns
+        True; the default returns False: ``wait`` raises a local timeout and the operation
+        stays pending."""
+        return False
+
     # ----------------------------------------------------------------- consumers
     def wait(self, timeout: Timeout = None) -> bool:
         """Block until the operation completes; re-raise its error. Returns True."""
         if not self._done:
             limit = seconds(timeout, self.default_timeout)
-            if not self._block(limit):
+            if not self._block(limit) and not (timeout is None and self._expire(limit)):
                 late = DistBackendTimeoutError(f"{self.op}: did not complete within {limit:g} s (Work.wait timeout)")
                 late.local_wait = True  # type: ignore[attr-defined]  # the operation goes on: not a rank failure
                 raise late

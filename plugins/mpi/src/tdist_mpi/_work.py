@@ -162,18 +162,6 @@ class MPIWork(Work):
         self._keep = self._finalize = None
         self.set_exception(error)
 
-    def wait(self, timeout: Any = None) -> bool:
-        if timeout is None and not self._done and self.default_timeout is not None:
-            limit = self.default_timeout
-            if not self._block(limit):
-                self.abandon(
-                    DistBackendTimeoutError(
-                        f"mpi backend: {self.op} did not complete within the group's timeout ({limit:g} s): "
-                        "a member has not taken part (MPI does not say which)"
-                    )
-                )
-        return Work.wait(self, timeout)
-
     # ------------------------------------------------------- the Work template
     def _poll(self) -> bool:
         return self._test() == _DONE
@@ -207,6 +195,15 @@ class MPIWork(Work):
 
     def _watch(self) -> None:
         _progress.watch(self)
+
+    def _expire(self, limit: float) -> bool:
+        self.abandon(
+            DistBackendTimeoutError(
+                f"mpi backend: {self.op} did not complete within the group's timeout ({limit:g} s): "
+                "a member has not taken part (MPI does not say which)"
+            )
+        )
+        return self._done
 
 
 class _Progress:
