@@ -23,6 +23,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAM = os.path.join(HERE, "client_programs.py")
 JOB_TIMEOUT = 150  # one torchrun job; each takes 10-30 s on 2 busy cores
 BACKENDS = ("gloo", "tdist-tcp")  # the reference first
+# torch's own gloo (tdist not even imported) aborts at interpreter exit, after
+# destroy_process_group returned, in about 1 run in 8 of the powersgd program on torch 2.13:
+# the reference's results are written by then, so that abort alone does not fail the case
+GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(len(BACKENDS) * JOB_TIMEOUT + 60)]
 
@@ -66,8 +70,10 @@ def run_program(program: str, backend: str, tmp_path) -> list[dict]:
     )
     (res,) = run_job([cmd], [env], timeout=JOB_TIMEOUT, cwd=str(tmp_path))
     output = f"{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
-    assert res.returncode == 0, f"{program} on {backend}:\n{output}"
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    files = [out / f"rank{rank}.pt" for rank in range(2)]
+    aborted_at_exit = backend == "gloo" and GLOO_EXIT_ABORT in res.stderr and all(f.exists() for f in files)
+    assert res.returncode == 0 or aborted_at_exit, f"{program} on {backend}:\n{output}"
+    return [torch.load(f, weights_only=False) for f in files]
 
 
 def assert_bitwise_equal(found: dict, expected: dict, what: str) -> None:
