@@ -164,7 +164,7 @@ class Work:
         """Block until the operation completes; re-raise its error. Returns True."""
         if not self._done:
             limit = seconds(timeout, self.default_timeout)
-            if not self._block(limit) and not (timeout is None and self._expire(limit)):
+            if not self._block(limit) and not (timeout is None and limit is not None and self._expire(limit)):
                 late = DistBackendTimeoutError(f"{self.op}: did not complete within {limit:g} s (Work.wait timeout)")
                 late.local_wait = True  # type: ignore[attr-defined]  # the operation goes on: not a rank failure
                 raise late
