@@ -16,6 +16,9 @@ Examples::
     python -m tdist.bench --tls                   # tcp over sockets: TLS on vs off (16 MiB all_reduce)
     python -m tdist.bench --hosts 2               # 2 simulated hosts x 2 ranks: tcp vs gloo (root)
     python -m tdist.bench --hosts 2 --link-rate 1gbit --link-delay 0.001
+
+Every mode first byte-compiles tdist's packages where their ``.pyc`` is missing or stale
+(:mod:`tdist.bench.precompile`), as ``pip install`` does, so that no worker compiles them.
 """
 
 from __future__ import annotations
@@ -208,6 +211,11 @@ def _options(items: list[str]) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    from .precompile import precompile
+
+    said = precompile()  # what a pip install does: no worker compiles tdist at import
+    if not args.quiet:
+        print(said, file=sys.stderr, flush=True)
     if args.store:
         from .store import format_store_bench, store_bench
 

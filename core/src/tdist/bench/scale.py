@@ -6,6 +6,14 @@ simulated large world on this one machine.
   threads (``/proc/self/task``), open descriptors (``/proc/self/fd``) and RSS, before
   and after. tdist-tcp (``tdist.init_process_group("tcp")``) and torch's own gloo
   (``torch.distributed.init_process_group("gloo")``), in that order, in one run.
+  **init** is the time from the moment the *last* rank entered ``init_process_group``
+  to the moment the last rank finished the all_reduce (wall clock of the one host):
+  what the ranks take together once all are there, not the wait for the slowest
+  process to start (importing torch takes 1-2 s of CPU each, and with more ranks than
+  cores the last one starts seconds after the first). **own** is the older measure,
+  the slowest rank's own time from entering ``init_process_group``, which includes that
+  wait. Descriptors are reported for the rank that hosts the store (rank 0: one
+  server connection per rank) and, apart, the largest among the others.
 - **Simulated worlds** (``--sim-worlds``, default 16,64,256): ``--sim-procs`` processes
   (default 8) each host ``world / procs`` ranks as threads; every rank builds its tdist-tcp
   group through the backend's factory (shared memory off: the socket transport, the part
@@ -15,6 +23,10 @@ simulated large world on this one machine.
 
     python -m tdist.bench --scale
     python -m tdist.bench --scale --world-sizes 4,8 --sim-worlds 16,64
+
+``python -m tdist.bench`` byte-compiles tdist's packages first (:mod:`tdist.bench.precompile`): a
+``pip install`` precompiles them; an editable install with ``PYTHONDONTWRITEBYTECODE``
+set would make every worker compile them at import.
 """
 
 from __future__ import annotations
@@ -84,19 +96,21 @@ def _launch(args: list[str], world: int, procs: int, timeout: float) -> dict:
 def format_scale(rows: list[dict]) -> str:
     lines = [
         "what a rank costs, after init_process_group + one all_reduce (max over processes):",
-        f"  {'kind':<5} {'backend':<7} {'world':>5}  {'init':>8}  {'threads':>7}  {'+threads':>8}  "
-        f"{'fds':>5}  {'+fds':>5}  {'RSS MiB':>7}  {'ranks/proc':>10}",
+        f"  {'kind':<5} {'backend':<7} {'world':>5}  {'init':>7}  {'own':>7}  {'threads':>7}  {'+threads':>8}  "
+        f"{'fds':>5}  {'+fds':>5}  {'fds@0':>5}  {'RSS MiB':>7}  {'ranks/proc':>10}",
     ]
     for r in rows:
         lines.append(
-            f"  {r['kind']:<5} {r['backend']:<7} {r['world']:>5}  {r['init_s']:7.2f}s  {r['threads']:>7}  "
-            f"{r['threads_added']:>8}  {r['fds']:>5}  {r['fds_added']:>5}  {r['rss_kib'] / 1024:7.0f}  "
-            f"{r['ranks_per_proc']:>10}"
+            f"  {r['kind']:<5} {r['backend']:<7} {r['world']:>5}  {r['init_s']:6.2f}s  {r['own_s']:6.2f}s  "
+            f"{r['threads']:>7}  {r['threads_added']:>8}  {r['fds']:>5}  {r['fds_added']:>5}  {r['fds_store']:>5}  "
+            f"{r['rss_kib'] / 1024:7.0f}  {r['ranks_per_proc']:>10}"
         )
     lines.append(
-        "  (init: start of init_process_group to the end of the first all_reduce, slowest rank; +threads, +fds:\n"
-        "   what init and the all_reduce added to the process; sim: ranks as threads of --sim-procs processes,\n"
-        "   tcp over sockets only, one tdist-tcp group per rank)"
+        "  (init: from the last rank entering init_process_group to the last rank done with the first all_reduce;\n"
+        "   own: the slowest rank's own time from entering init_process_group (includes waiting for the last\n"
+        "   process to start); fds, +fds: the processes that do not host the store (the largest), fds@0: the one\n"
+        "   that does (one server connection per client); +threads, +fds: what init and the all_reduce added;\n"
+        "   sim: ranks as threads of --sim-procs processes, tcp over sockets only, one tdist-tcp group per rank)"
     )
     return "\n".join(lines)
 
@@ -111,12 +125,13 @@ def _real(tmp: str, backend: str, world: int) -> None:
     else:
         import tdist as dist  # type: ignore[no-redef]
     before = process_usage()
-    started = time.monotonic()
+    entered, started = time.time(), time.monotonic()
     dist.init_process_group(backend, timeout=timedelta(seconds=300))
     dist.all_reduce(torch.ones(1))
-    elapsed = time.monotonic() - started
+    elapsed, done = time.monotonic() - started, time.time()
     after = process_usage()
-    mine = {"init_s": elapsed, **after, "threads_added": after["threads"] - before["threads"]}
+    mine = {"own_s": elapsed, "entered": entered, "done": done, **after}
+    mine["threads_added"] = after["threads"] - before["threads"]
     mine["fds_added"] = after["fds"] - before["fds"]
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -159,16 +174,17 @@ def _sim(tmp: str, world: int, procs: int, index: int) -> None:
             errors.append(exc)
         done.wait()
 
-    started = time.monotonic()
+    entered, started = time.time(), time.monotonic()
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in ranks]
     for t in threads:
         t.start()
     done.wait()
-    elapsed = time.monotonic() - started
+    elapsed, finished = time.monotonic() - started, time.time()
     if errors:
         raise errors[0]
     after = process_usage()
-    store.set(f"report/{index}", json.dumps({"init_s": elapsed, **after, "before": before}))
+    report = {"own_s": elapsed, "entered": entered, "done": finished, **after, "before": before}
+    store.set(f"report/{index}", json.dumps(report))
     store.wait([f"report/{p}" for p in range(procs)])
     if index == 0:
         reports = [json.loads(store.get(f"report/{p}")) for p in range(procs)]
@@ -184,9 +200,16 @@ def _sim(tmp: str, world: int, procs: int, index: int) -> None:
 
 
 def _write(tmp: str, kind: str, backend: str, world: int, per_proc: int, reports: list[dict]) -> None:
+    """Rank 0's result file: the world's row (``reports`` by rank, or by process for ``sim``;
+    the first one hosts the store)."""
     row: dict[str, Any] = {"kind": kind, "backend": backend, "world": world, "ranks_per_proc": per_proc}
-    for key in ("init_s", "threads", "threads_added", "fds", "fds_added", "rss_kib"):
+    row["init_s"] = max(r["done"] for r in reports) - max(r["entered"] for r in reports)
+    for key in ("own_s", "threads", "threads_added", "rss_kib"):
         row[key] = max(r[key] for r in reports)
+    others = reports[1:] or reports
+    for key in ("fds", "fds_added"):
+        row[key] = max(r[key] for r in others)
+    row["fds_store"] = reports[0]["fds"]
     with open(os.path.join(tmp, "result.json"), "w") as f:
         json.dump(row, f)
 
