@@ -12,6 +12,7 @@ import torch
 from _tcp_harness import make_backend, run_threads
 from tdist._errors import DistBackendTimeoutError, DistNetworkError
 from tdist.plugin import HashStore
+from tdist_tcp import factory
 from tdist_tcp.auth import group_key
 from tdist_tcp.connect import Address, _Auth
 from tdist_tcp.mesh import Mesh
@@ -27,6 +28,7 @@ from tdist_tcp.roster import (
     publish,
     unpack_hosts,
 )
+from tdist_tcp.shm import shm_enabled
 from tdist_tcp.topology import Layout
 from tdist_tcp.transport import Transport
 
@@ -202,3 +204,24 @@ def test_make_backend_with_a_missing_peer_releases_everything():
     with pytest.raises(DistBackendTimeoutError, match=r"ranks \[1\] never arrived"):
         make_backend(HashStore(), 0, 2, 0.5)
     assert J.shm_mapped() == set() and J.shm_fds() == set()
+
+
+@pytest.mark.skipif(not shm_enabled({"shm": True}), reason="shared memory needs Linux x86-64, memfd and /proc")
+@pytest.mark.parametrize("offer_max", [512, 2])
+def test_one_host_uses_shared_memory_with_or_without_the_offer(monkeypatch, offer_max):
+    """World 3 on one host: rank 0's segment offered in its record (the default), or, for a
+    group larger than the offer's limit, set up afterwards (open_shm): shared memory either way."""
+    from tdist._reduce_op import ReduceOp, Reduction
+
+    monkeypatch.setattr(factory, "OFFER_MAX_RANKS", offer_max)
+
+    def body(b, rank):
+        t = torch.full((5,), float(rank + 1))
+        b.all_reduce(t, Reduction(ReduceOp.SUM)).wait()
+        return t.tolist(), b._shm is not None
+
+    store = HashStore()
+    for got, used in run_threads(3, body, timeout=60, store=store):
+        assert got == [6.0] * 5 and used
+    offered = Record.decode(store.get(RECORD_KEY.format(0)), 0).offer
+    assert bool(offered) is (offer_max >= 3), offered
