@@ -80,10 +80,12 @@ def test_layouts_travel_as_rank_ranges(hosts):
     size = sum(len(m) for m in hosts)
     text = pack_hosts(Layout(hosts))
     assert unpack_hosts(text, size) == Layout(hosts)
-    assert pack_hosts(Layout((tuple(range(4096)),))) == "0-4095"
+    assert pack_hosts(Layout((tuple(range(4096)),))) == "/4096"  # one host: constant size
+    blocks = Layout(tuple(tuple(range(a, min(16387, a + 8))) for a in range(0, 16387, 8)))
+    assert pack_hosts(blocks) == "/8" and unpack_hosts("/8", 16387) == blocks  # 2,049 hosts of 8 (the last 3)
 
 
-@pytest.mark.parametrize("text", ["0-2", "0-3;3", "0,1,2,2", "x"])
+@pytest.mark.parametrize("text", ["0-2", "0-3;3", "0,1,2,2", "x", "/0", "/x"])
 def test_a_layout_that_does_not_place_every_rank_once_is_refused(text):
     with pytest.raises(ValueError):
         unpack_hosts(text, 4)
@@ -185,7 +187,7 @@ def test_setup_stores_one_record_per_rank():
     run_threads(3, lambda b, r: b.barrier().wait(), store=store, options={"shm": False})
     for r in range(3):
         assert Record.decode(store.get(RECORD_KEY.format(r)), r).address.port > 0
-    assert json.loads(store.get(SETUP_KEY))["hosts"] == "0-2"
+    assert json.loads(store.get(SETUP_KEY))["hosts"] == "/3"
 
 
 def test_a_missing_rank_makes_the_others_fail_fast_naming_it():

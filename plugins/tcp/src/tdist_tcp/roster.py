@@ -190,7 +190,13 @@ def _never_arrived(rank: int, timeout: float, absent: list[int]) -> DistBackendT
 
 # ----------------------------------------------------------------------- the layout
 def pack_hosts(layout: Layout) -> str:
-    """``layout`` as text: hosts separated by ``;``, each a list of rank ranges (``0-7,16-23``)."""
+    """``layout`` as text: ``/k`` when every host holds the next ``k`` ranks (the last
+    perhaps fewer), so the answer stays small however many hosts; else hosts separated by
+    ``;``, each a list of rank ranges (``0-7,16-23``)."""
+    size = sum(len(m) for m in layout.hosts)
+    k = len(layout.hosts[0])
+    if all(m == tuple(range(h * k, min(size, (h + 1) * k))) for h, m in enumerate(layout.hosts)):
+        return f"/{k}"
     hosts = []
     for members in layout.hosts:
         runs: list[list[int]] = []
@@ -206,6 +212,11 @@ def pack_hosts(layout: Layout) -> str:
 def unpack_hosts(text: str, size: int) -> Layout:
     """The :class:`Layout` :func:`pack_hosts` wrote; a ValueError unless it places every
     rank of ``size`` on exactly one host."""
+    if text.startswith("/"):
+        k = int(text[1:])
+        if k < 1:
+            raise ValueError(f"the layout {text!r} has hosts of no rank")
+        return Layout(tuple(tuple(range(a, min(size, a + k))) for a in range(0, size, k)))
     hosts = []
     for part in text.split(";"):
         members: list[int] = []
