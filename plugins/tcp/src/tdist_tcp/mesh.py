@@ -25,7 +25,7 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from tdist.plugin import (
     DistBackendTimeoutError,
@@ -186,6 +186,8 @@ class Mesh:
         self.use_unix = _unix_enabled(options)
         #: the peers' addresses known so far (the others are read from their records when needed)
         self.addresses: dict[int, Address] = {}
+        #: finds an unknown peer's address by (peer, deadline); default: its record in ``store``
+        self.directory: Callable[[int, float], Address] = self._read_record
         #: connections made or accepted before a transport took them, by peer (stream 0 first)
         self.sockets: dict[int, list[Any]] = {}
         self._lock = threading.Lock()
@@ -211,9 +213,13 @@ class Mesh:
             known = self.addresses.get(peer)
         if known is not None:
             return known
-        record = lookup(self.store, [peer], deadline, self.rank)[peer]
-        self.learn({peer: record})
-        return record.address
+        found = self.directory(peer, deadline)
+        with self._lock:
+            self.addresses[peer] = found
+        return found
+
+    def _read_record(self, peer: int, deadline: float) -> Address:
+        return lookup(self.store, [peer], deadline, self.rank)[peer].address
 
     # ------------------------------------------------------------ connecting
     def connect(self, peer: int, deadline: float) -> Optional[list[Any]]:
