@@ -186,7 +186,11 @@ def test_scale_mode(tmp_path):
         ("sim", "tcp", 4),
     ]
     assert all(r["init_s"] > 0 and r["threads"] > 0 and r["fds"] > 0 and r["rss_kib"] > 0 for r in rows), rows
+    assert all(r["own_s"] >= r["init_s"] - 0.01 and r["fds_store"] > 0 and len(r["init_samples"]) == 1 for r in rows), (
+        rows
+    )
     assert rows[2]["ranks_per_proc"] == 2
+    assert "byte-compiled the sources of tdist" in proc.stderr and "from the last rank entering" in proc.stdout
 
 
 def test_store_mode(tmp_path):

@@ -1,7 +1,8 @@
 """Test scaffolding for tdist-tcp: tiny stores, and worlds of ranks as threads or processes.
 
 - :func:`dir_store`: tdist's FileStore in a job's directory, shared by its processes
-  (threads of one process share a :class:`tdist.HashStore`).
+  (threads of one process share a :class:`tdist.HashStore`); :func:`record`: a rank's
+  record of a group's setup in such a store.
 - :func:`run_threads`: run ``body(backend, rank)`` on every rank of a world of threads.
 - :class:`ProcWorld`: long-lived worker processes (a :class:`tdist.testing.World`) that
   each build a fresh backend per job, run a job function from ``_tcp_jobs`` and
@@ -19,6 +20,14 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from tdist.plugin import FileStore, HashStore, Store
 from tdist.testing import RankFailure, World
+
+
+def record(store: Store, rank: int, timeout: float = 30.0) -> Any:
+    """Rank ``rank``'s record of the group's setup in ``store`` (:class:`tdist_tcp.roster.Record`:
+    where it listens; rank 0's also the group nonce), waiting for it up to ``timeout`` s."""
+    from tdist_tcp.roster import RECORD_KEY, Record
+
+    return Record.decode(store.get(RECORD_KEY.format(rank), timeout=timeout), rank)
 
 
 def dir_store(path: str) -> Store:

@@ -505,9 +505,19 @@ def resources_job(b: Any, rank: int) -> tuple[list[str], int, list[int]]:
     return names, len(os.listdir("/proc/self/fd")), connected_peers(b)
 
 
+def looked_at_setup(b: Any, rank: int) -> None:
+    """Wait (through the group's store, not a connection) until every rank of ``b``'s group
+    has called this: a rank that finished its setup first then cannot connect to one that
+    has not yet looked at what its setup left."""
+    store = b._tr.mesh.store
+    store.set(f"test/looked/{rank}", "1")
+    store.wait([f"test/looked/{r}" for r in range(b._tr.size)], timeout=60)
+
+
 def first_contact_job(b: Any, rank: int) -> tuple[list[int], list[int]]:
     """The connected peers right after init, then after rank 0 sent rank 2 one message."""
     before = connected_peers(b)
+    looked_at_setup(b, rank)
     if rank == 0:
         b.send(torch.ones(3), 2, 0).wait()
     elif rank == 2:

@@ -21,13 +21,15 @@ import _tcp_jobs as J
 import pytest
 import torch
 from tdist.plugin import HashStore
-from _tcp_harness import make_backend, run_threads
+from _tcp_harness import make_backend, record, run_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tdist._errors import DistBackendTimeoutError, DistNetworkError
 from tdist._reduce_op import ReduceOp, Reduction
 from tdist_tcp import mesh
 from tdist_tcp.auth import ACCEPTED, HELLO, MAC_SIZE, REFUSED, make_hello
+from tdist_tcp.connect import Address
+from tdist_tcp.roster import RECORD_KEY, Record
 
 pytestmark = pytest.mark.timeout(120)
 SUM = Reduction(ReduceOp.SUM)
@@ -66,10 +68,10 @@ def _rank1(store, options: Optional[dict] = None) -> list:
 
 def _endpoint(store, unix: bool):
     """(family, address) of rank 0's TCP or Unix-domain listener, from the store."""
+    where = record(store, 0).address
     if unix:
-        return socket.AF_UNIX, "\0" + store.get("tcp/unix/0", timeout=30).decode()
-    host, port = store.get("tcp/addr/0", timeout=30).decode().rsplit(":", 1)
-    return socket.AF_INET, (host, int(port))
+        return socket.AF_UNIX, "\0" + where.unix
+    return socket.AF_INET, (where.host, where.port)
 
 
 def _exchange(store, unix: bool, data: bytes, half_close: bool = True) -> bytes:
@@ -109,7 +111,7 @@ def test_impostors_are_refused_and_the_job_completes(unix):
         text = str(info.value)
         assert "rank 1 cannot authenticate its connection to rank 0" in text, text
         assert "did not prove it knows this group's key" in text and hint in text, text
-    nonce = bytes.fromhex(store.get("tcp/nonce").decode())
+    nonce = record(store, 0).nonce
     reply = _exchange(store, unix, make_hello(nonce, 1, 2, True) + os.urandom(MAC_SIZE))
     assert len(reply) == HELLO.size + MAC_SIZE + 1 and reply[-1:] == REFUSED, reply
     assert _rank1(store, options) == [2.0, 2.0, 2.0]
@@ -126,8 +128,8 @@ def test_listener_that_cannot_prove_the_key_is_refused_at_once():
     with socket.socket() as fake:
         fake.bind(("127.0.0.1", 0))
         fake.listen()
-        store.set("tcp/nonce", nonce.hex())
-        store.set("tcp/addr/0", f"127.0.0.1:{fake.getsockname()[1]}")
+        fake_record = Record(Address("127.0.0.1", fake.getsockname()[1], ""), "id:elsewhere", nonce=nonce)
+        store.set(RECORD_KEY.format(0), fake_record.encode())
 
         def answer() -> None:
             conn, _ = fake.accept()
@@ -200,7 +202,7 @@ def test_fuzzed_handshakes_leave_the_listener_serving_and_leak_nothing():
     store, out = HashStore(), {}
     thread = _rank0(store, out, timeout=90.0)
     _endpoint(store, True)
-    valid = make_hello(bytes.fromhex(store.get("tcp/nonce").decode()), 1, 2, True)
+    valid = make_hello(record(store, 0).nonce, 1, 2, True)
     frames = st.one_of(
         st.binary(max_size=2 * HELLO.size),
         st.lists(st.tuples(st.integers(0, len(valid) - 1), st.integers(1, 255)), min_size=1, max_size=4).map(
@@ -272,7 +274,7 @@ def test_token_from_the_environment_protects_a_file_rendezvous(tmp_path):
         # rank 0 now believes rank 1 arrived, and named the same backend
         world.set("tdist/init/joined/1", world.get("tdist/init/joined/0"))
         store = PrefixStore("tcp", PrefixStore("pg0", world))
-        store.wait(["tcp/addr/0"], timeout=60)
+        store.wait([RECORD_KEY.format(0)], timeout=60)
         with pytest.raises(DistNetworkError, match="did not prove it knows this group's key"):
             mesh._connect_one(store, 0, 1, 2, b"\x01" * 32, time.monotonic() + 20, 0, True)
         world.delete_key("tdist/init/joined/1")  # else the real rank 1 is refused as a second rank 1

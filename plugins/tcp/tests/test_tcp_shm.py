@@ -305,16 +305,17 @@ def test_init_destroy_cycles_release_every_segment_at_once(world2):
 _SETUP_PROGRAM = """
 import sys, time
 sys.path.insert(0, sys.argv[3])
-from _tcp_harness import dir_store, make_backend
-from tdist_tcp.mesh import connect_mesh
-from tdist_tcp.topology import host_id, host_layout
+from _tcp_harness import dir_store, make_backend, record
+from tdist_tcp.auth import group_key
+from tdist_tcp.shm import take_offer
 
 rank, store = int(sys.argv[1]), dir_store(sys.argv[2])
 if rank == 0:
-    make_backend(store, 0, 2, 120.0)  # creates the segment, then waits for rank 1's answer
-else:  # connects, says where it runs, never answers the shared-memory setup
-    mesh = connect_mesh(store, 1, 2, 120.0, {})
-    host_layout(store, 1, 2, mesh.nonce, 120.0, host_id({}, 1))
+    make_backend(store, 0, 2, 120.0)  # creates the segment, offers it, then waits for rank 1's record
+else:  # maps the offered segment, never publishes its record
+    first = record(store, 0, 60.0)
+    mm, _, _ = take_offer(first.offer, 1, 2, {}, first.nonce, group_key(b"", first.nonce), 1)
+    assert mm is not None
     time.sleep(120)
 """
 
@@ -342,7 +343,7 @@ def test_every_rank_killed_during_setup_leaves_nothing(tmp_path):
     import subprocess
     import sys
 
-    from _tcp_harness import dir_store
+    from _tcp_harness import dir_store, record
 
     store_dir = str(tmp_path / "store")
     store = dir_store(store_dir)
@@ -351,9 +352,9 @@ def test_every_rank_killed_during_setup_leaves_nothing(tmp_path):
         for r in (0, 1)
     ]
     try:
-        nonce = store.get("tcp/nonce", timeout=60).decode()
-        where = store.get(f"tcp/shm/{nonce}/name", timeout=60).decode()
-        time.sleep(0.2)  # rank 0 is waiting for rank 1's answer
+        first = record(store, 0, 60.0)
+        nonce, where = first.nonce.hex(), first.offer
+        time.sleep(0.5)  # rank 0 is waiting for rank 1's record, rank 1 has mapped the segment
     finally:
         for p in procs:
             p.send_signal(signal.SIGKILL)

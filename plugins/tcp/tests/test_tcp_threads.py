@@ -16,7 +16,7 @@ import _tcp_jobs as J
 import pytest
 import torch
 from tdist.plugin import HashStore
-from _tcp_harness import make_backend, run_threads
+from _tcp_harness import make_backend, record, run_threads
 from tdist._errors import DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction
 from tdist_tcp.auth import HELLO
@@ -211,7 +211,8 @@ def test_bad_handshakes_are_refused_and_setup_continues():
 
     thread = threading.Thread(target=rank0)
     thread.start()
-    host, port = store.get("tcp/addr/0", timeout=10).decode().rsplit(":", 1)
+    where = record(store, 0, timeout=10).address
+    host, port = where.host, where.port
     for junk in (b"GET / HTTP/1.0\r\n\r\n" + b"x" * 40, b"TDISTTCP" + b"\0" * (HELLO.size - 8)):
         with socket.create_connection((host, int(port)), timeout=5) as s:
             s.sendall(junk)

@@ -69,6 +69,9 @@ from .tls import WOULD_BLOCK, TlsConfig, describe_ssl_error
 __all__ = ["TCPStore", "TCPStoreServer", "StoreConnectionError", "StoreConnectTimeoutError", "TOKEN_ENV"]
 
 _SOCKET_MARGIN = 2.0  # a client waits this much longer than the server-side timeout
+#: the longest pause between a client's attempts to reach a server not up yet: waking late
+#: costs every rank of an init that much (10 ms, doubling: at most 0.1 s of lateness)
+CONNECT_RETRY_MAX_S = 0.1
 _INIT_KEY = INTERNAL_PREFIX + b"tdist/init"  # counts the stores that joined with a known world size
 _AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
@@ -150,8 +153,8 @@ class TCPStore(Store):
     torch's libuv one). With ``TORCHELASTIC_USE_AGENT_STORE`` set and ``MASTER_PORT`` equal to
     ``port``, a master whose port is taken joins the agent's server as a client (as torch does).
 
-    Connecting retries with backoff until ``timeout`` (the server may start later, its name
-    may not resolve yet), then raises :class:`StoreConnectTimeoutError` (a DistNetworkError
+    Connecting retries with backoff (10 ms doubling to :data:`CONNECT_RETRY_MAX_S`) until
+    ``timeout`` (the server may start later, its name may not resolve yet), then raises :class:`StoreConnectTimeoutError` (a DistNetworkError
     and a DistStoreTimeoutError) naming ``host:port``. ``token`` (default ``$TDIST_STORE_TOKEN``)
     is the shared secret: the server and the client each prove they know it (HMAC over two
     fresh nonces); a client holding a token refuses a server that does not authenticate.
@@ -328,7 +331,7 @@ class TCPStore(Store):
                     f"connect to ({self._host}, {self._port}) (last error: {error})"
                 ) from error
             time.sleep(min(delay, remaining))
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, CONNECT_RETRY_MAX_S)
 
     def _tls_handshake(self, sock: socket.socket, limit: float) -> socket.socket:
         """Wrap ``sock`` in TLS and shake hands within ``limit`` s; a refused certificate or a

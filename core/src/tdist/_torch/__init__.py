@@ -80,10 +80,12 @@ def _torch_dist() -> Any:
 def torch_is_free(rank: int, world_size: int) -> bool:
     """True when torch.distributed is not initialized. When the program initialized it
     itself: a ValueError if its world differs from ``rank``/``world_size`` (where known,
-    i.e. >= 0), else a warning (once) and False -- tdist leaves it alone."""
+    i.e. >= 0), else a warning (once) and False -- tdist leaves it alone. Asked before the
+    rendezvous; a True answer also imports the mirror's modules then (:func:`_preload`)."""
     global _warned_left_alone
     torch_dist = _torch_dist()
     if torch_dist is None or not torch_dist.is_initialized():
+        _preload()
         return True
     theirs = (torch_dist.get_rank(), torch_dist.get_world_size())
     if (rank >= 0 and rank != theirs[0]) or (world_size > 0 and world_size != theirs[1]):
@@ -101,6 +103,16 @@ def torch_is_free(rank: int, world_size: int) -> bool:
             stacklevel=3,
         )
     return False
+
+
+def _preload() -> None:
+    """Import what :func:`mirror_world` needs (about 4 ms of CPU) while this rank would wait
+    for the others in the rendezvous anyway, not once they all arrived; nothing where the
+    bridge cannot attach (``mirror_world`` then says why)."""
+    from .features import unattachable
+
+    if unattachable() is None:
+        from . import mirror  # noqa: F401
 
 
 def mirror_world(world: ProcessGroup) -> None:

@@ -16,6 +16,9 @@ Examples::
     python -m tdist.bench --tls                   # tcp over sockets: TLS on vs off (16 MiB all_reduce)
     python -m tdist.bench --hosts 2               # 2 simulated hosts x 2 ranks: tcp vs gloo (root)
     python -m tdist.bench --hosts 2 --link-rate 1gbit --link-delay 0.001
+
+Every mode first byte-compiles tdist's packages where their ``.pyc`` is missing or stale
+(:mod:`tdist.bench.precompile`), as ``pip install`` does, so that no worker compiles them.
 """
 
 from __future__ import annotations
@@ -177,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-worlds", default="16,64,256", help="ranks of the simulated worlds for --scale")
     p.add_argument("--sim-procs", type=int, default=8, help="processes the simulated ranks share for --scale")
     p.add_argument(
+        "--scale-repeats", type=int, default=1, help="runs of each world for --scale (the median run; default 1)"
+    )
+    p.add_argument(
         "--recovery",
         action="store_true",
         help="time the recovery from a SIGKILLed rank of 4 (torch DDP): shrinking on tcp, gloo and mpi against "
@@ -208,6 +214,11 @@ def _options(items: list[str]) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    from .precompile import precompile
+
+    said = precompile()  # what a pip install does: no worker compiles tdist at import
+    if not args.quiet:
+        print(said, file=sys.stderr, flush=True)
     if args.store:
         from .store import format_store_bench, store_bench
 
@@ -253,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         default_worlds = args.world_sizes == "2,4"
         worlds = [4, 8, 16, 32] if default_worlds else [int(w) for w in args.world_sizes.split(",") if w.strip()]
         sims = [int(w) for w in args.sim_worlds.split(",") if w.strip()]
-        rows = scale_bench(worlds, sims, sim_procs=args.sim_procs, timeout=args.timeout)
+        rows = scale_bench(worlds, sims, sim_procs=args.sim_procs, timeout=args.timeout, repeats=args.scale_repeats)
         print(format_scale(rows))
         if args.json:
             write_json(args.json, rows, {"mode": "scale"})

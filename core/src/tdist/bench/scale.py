@@ -6,6 +6,19 @@ simulated large world on this one machine.
   threads (``/proc/self/task``), open descriptors (``/proc/self/fd``) and RSS, before
   and after. tdist-tcp (``tdist.init_process_group("tcp")``) and torch's own gloo
   (``torch.distributed.init_process_group("gloo")``), in that order, in one run.
+  **init** is the time from the moment the *last* rank entered ``init_process_group``
+  to the moment the last rank finished the all_reduce (wall clock of the one host):
+  what the ranks take together once all are there, not the wait for the slowest
+  process to start (importing torch takes 1-2 s of CPU each, and with more ranks than
+  cores the last one starts seconds after the first). **own** is the older measure,
+  the slowest rank's own time from entering ``init_process_group``, which includes that
+  wait. Descriptors are reported for the rank that hosts the store (rank 0: one
+  server connection per rank) and, apart, the largest among the others. Each worker
+  collects garbage once before it enters ``init_process_group``, on both backends:
+  importing torch leaves a full collection owed (about 0.1 s of CPU over torch's 170,000
+  objects), which the next few thousand allocations of any Python code trigger -- inside
+  tdist's init (Python), after torch's (C++), in the program's own code; either way the
+  program pays it once, whatever its backend.
 - **Simulated worlds** (``--sim-worlds``, default 16,64,256): ``--sim-procs`` processes
   (default 8) each host ``world / procs`` ranks as threads; every rank builds its tdist-tcp
   group through the backend's factory (shared memory off: the socket transport, the part
@@ -15,10 +28,16 @@ simulated large world on this one machine.
 
     python -m tdist.bench --scale
     python -m tdist.bench --scale --world-sizes 4,8 --sim-worlds 16,64
+    python -m tdist.bench --scale --scale-repeats 3     # each world 3 times, the median run
+
+``python -m tdist.bench`` byte-compiles tdist's packages first (:mod:`tdist.bench.precompile`): a
+``pip install`` precompiles them; an editable install with ``PYTHONDONTWRITEBYTECODE``
+set would make every worker compile them at import.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -44,16 +63,26 @@ def process_usage() -> dict[str, int]:
 
 
 def scale_bench(
-    world_sizes: list[int], sim_worlds: list[int], sim_procs: int = 8, timeout: float = 600.0
+    world_sizes: list[int], sim_worlds: list[int], sim_procs: int = 8, timeout: float = 600.0, repeats: int = 1
 ) -> list[dict]:
-    """One row per (kind, backend, world size)."""
-    rows = []
+    """One row per (kind, backend, world size): with ``repeats`` runs of each (tcp and gloo
+    alternating, so that both meet the same load), the run of median init time, with every
+    run's init time in ``init_samples``."""
+    runs: dict[tuple[str, str, int], list[dict]] = {}
     for world in world_sizes:
-        for backend in ("tcp", "gloo"):
-            rows.append(_launch(["real", backend], world, world, timeout))
+        for _ in range(max(1, repeats)):
+            for backend in ("tcp", "gloo"):
+                runs.setdefault(("real", backend, world), []).append(_launch(["real", backend], world, world, timeout))
     for world in sim_worlds:
         procs = min(sim_procs, world)
-        rows.append(_launch(["sim", "tcp"], world, procs, timeout))
+        for _ in range(max(1, repeats)):
+            runs.setdefault(("sim", "tcp", world), []).append(_launch(["sim", "tcp"], world, procs, timeout))
+    rows = []
+    for samples in runs.values():
+        ordered = sorted(samples, key=lambda r: r["init_s"])
+        row = dict(ordered[(len(ordered) - 1) // 2])
+        row["init_samples"] = [r["init_s"] for r in samples]
+        rows.append(row)
     return rows
 
 
@@ -82,21 +111,27 @@ def _launch(args: list[str], world: int, procs: int, timeout: float) -> dict:
 
 
 def format_scale(rows: list[dict]) -> str:
+    runs = max((len(r.get("init_samples", [])) for r in rows), default=1)
     lines = [
-        "what a rank costs, after init_process_group + one all_reduce (max over processes):",
-        f"  {'kind':<5} {'backend':<7} {'world':>5}  {'init':>8}  {'threads':>7}  {'+threads':>8}  "
-        f"{'fds':>5}  {'+fds':>5}  {'RSS MiB':>7}  {'ranks/proc':>10}",
+        "what a rank costs, after init_process_group + one all_reduce (max over processes"
+        + (f"; the run of median init of {runs}" if runs > 1 else "")
+        + "):",
+        f"  {'kind':<5} {'backend':<7} {'world':>5}  {'init':>7}  {'own':>7}  {'threads':>7}  {'+threads':>8}  "
+        f"{'fds':>5}  {'+fds':>5}  {'fds@0':>5}  {'RSS MiB':>7}  {'ranks/proc':>10}",
     ]
     for r in rows:
         lines.append(
-            f"  {r['kind']:<5} {r['backend']:<7} {r['world']:>5}  {r['init_s']:7.2f}s  {r['threads']:>7}  "
-            f"{r['threads_added']:>8}  {r['fds']:>5}  {r['fds_added']:>5}  {r['rss_kib'] / 1024:7.0f}  "
-            f"{r['ranks_per_proc']:>10}"
+            f"  {r['kind']:<5} {r['backend']:<7} {r['world']:>5}  {r['init_s']:6.2f}s  {r['own_s']:6.2f}s  "
+            f"{r['threads']:>7}  {r['threads_added']:>8}  {r['fds']:>5}  {r['fds_added']:>5}  {r['fds_store']:>5}  "
+            f"{r['rss_kib'] / 1024:7.0f}  {r['ranks_per_proc']:>10}"
+            + (f"  init {min(r['init_samples']):.2f}-{max(r['init_samples']):.2f}s" if runs > 1 else "")
         )
     lines.append(
-        "  (init: start of init_process_group to the end of the first all_reduce, slowest rank; +threads, +fds:\n"
-        "   what init and the all_reduce added to the process; sim: ranks as threads of --sim-procs processes,\n"
-        "   tcp over sockets only, one tdist-tcp group per rank)"
+        "  (init: from the last rank entering init_process_group to the last rank done with the first all_reduce;\n"
+        "   own: the slowest rank's own time from entering init_process_group (includes waiting for the last\n"
+        "   process to start); fds, +fds: the processes that do not host the store (the largest), fds@0: the one\n"
+        "   that does (one server connection per client); +threads, +fds: what init and the all_reduce added;\n"
+        "   sim: ranks as threads of --sim-procs processes, tcp over sockets only, one tdist-tcp group per rank)"
     )
     return "\n".join(lines)
 
@@ -110,13 +145,15 @@ def _real(tmp: str, backend: str, world: int) -> None:
         import torch.distributed as dist
     else:
         import tdist as dist  # type: ignore[no-redef]
+    gc.collect()  # the full collection importing torch leaves owed: not init's (see the module's docstring)
     before = process_usage()
-    started = time.monotonic()
+    entered, started = time.time(), time.monotonic()
     dist.init_process_group(backend, timeout=timedelta(seconds=300))
     dist.all_reduce(torch.ones(1))
-    elapsed = time.monotonic() - started
+    elapsed, done = time.monotonic() - started, time.time()
     after = process_usage()
-    mine = {"init_s": elapsed, **after, "threads_added": after["threads"] - before["threads"]}
+    mine = {"own_s": elapsed, "entered": entered, "done": done, **after}
+    mine["threads_added"] = after["threads"] - before["threads"]
     mine["fds_added"] = after["fds"] - before["fds"]
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -133,6 +170,7 @@ def _sim(tmp: str, world: int, procs: int, index: int) -> None:
     import tdist
     from tdist.plugin import PrefixStore, Reduction, ReduceOp
 
+    gc.collect()  # as in _real
     before = process_usage()
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = tdist.TCPStore(host, port, is_master=index == 0, timeout=timedelta(seconds=300), wait_for_workers=False)
@@ -159,16 +197,17 @@ def _sim(tmp: str, world: int, procs: int, index: int) -> None:
             errors.append(exc)
         done.wait()
 
-    started = time.monotonic()
+    entered, started = time.time(), time.monotonic()
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in ranks]
     for t in threads:
         t.start()
     done.wait()
-    elapsed = time.monotonic() - started
+    elapsed, finished = time.monotonic() - started, time.time()
     if errors:
         raise errors[0]
     after = process_usage()
-    store.set(f"report/{index}", json.dumps({"init_s": elapsed, **after, "before": before}))
+    report = {"own_s": elapsed, "entered": entered, "done": finished, **after, "before": before}
+    store.set(f"report/{index}", json.dumps(report))
     store.wait([f"report/{p}" for p in range(procs)])
     if index == 0:
         reports = [json.loads(store.get(f"report/{p}")) for p in range(procs)]
@@ -184,9 +223,16 @@ def _sim(tmp: str, world: int, procs: int, index: int) -> None:
 
 
 def _write(tmp: str, kind: str, backend: str, world: int, per_proc: int, reports: list[dict]) -> None:
+    """Rank 0's result file: the world's row (``reports`` by rank, or by process for ``sim``;
+    the first one hosts the store)."""
     row: dict[str, Any] = {"kind": kind, "backend": backend, "world": world, "ranks_per_proc": per_proc}
-    for key in ("init_s", "threads", "threads_added", "fds", "fds_added", "rss_kib"):
+    row["init_s"] = max(r["done"] for r in reports) - max(r["entered"] for r in reports)
+    for key in ("own_s", "threads", "threads_added", "rss_kib"):
         row[key] = max(r[key] for r in reports)
+    others = reports[1:] or reports
+    for key in ("fds", "fds_added"):
+        row[key] = max(r[key] for r in others)
+    row["fds_store"] = reports[0]["fds"]
     with open(os.path.join(tmp, "result.json"), "w") as f:
         json.dump(row, f)
 

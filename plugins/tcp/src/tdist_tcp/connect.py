@@ -26,7 +26,6 @@ from .auth import (
     HELLO,
     MAC_SIZE,
     REFUSED,
-    group_key,
     mac,
     make_hello,
     parse_hello,
@@ -38,9 +37,6 @@ __all__ = ["Address", "open_link", "configure_socket", "format_addr", "parse_add
 HOST_ENV = "TDIST_TCP_HOST"
 IFNAME_ENV = "TDIST_TCP_IFNAME"
 TOKEN_ENV = "TDIST_STORE_TOKEN"  # named in errors: the core derives the factory's secret from it
-ADDR_KEY = "tcp/addr/{}"
-UNIX_KEY = "tcp/unix/{}"
-NONCE_KEY = "tcp/nonce"
 #: a rank whose listener ran out of file descriptors says so here (group nonce, rank), for its connectors
 EXHAUSTED_KEY = "tcp/exhausted/{}/{}"
 DEFAULT_SOCKET_BUFFER = 4 << 20
@@ -147,11 +143,6 @@ class _Auth(NamedTuple):
     nonce: bytes
     key: bytes
     has_token: bool
-
-
-def _group_auth(store: Any, secret: bytes, timeout: float) -> _Auth:
-    nonce = bytes.fromhex(store.get(NONCE_KEY, timeout=timeout).decode())
-    return _Auth(nonce, group_key(secret, nonce), bool(secret))
 
 
 def _connect_unix(name: str, peer: int, rank: int, size: int, auth: "_Auth", deadline: float, buffer_bytes: int) -> Any:
@@ -291,36 +282,6 @@ def open_link(
                 exhausted(addr)
         _close_all(opened)
         time.sleep(0.05)
-
-
-def _connect_one(
-    store: Any,
-    peer: int,
-    rank: int,
-    size: int,
-    secret: bytes,
-    deadline: float,
-    buffer_bytes: int,
-    use_unix: bool,
-    tls: Optional[_tls.MeshTls] = None,
-    streams: int = 1,
-    auth: Optional[_Auth] = None,
-) -> Optional[list[Any]]:
-    """:func:`open_link` to ``peer`` with its address (and the group nonce, unless ``auth``
-    is given) read from ``store``, as a rank that did not join the group would."""
-    if auth is None:
-        auth = _group_auth(store, secret, max(0.01, deadline - time.monotonic()))
-    known = auth
-
-    def lookup() -> Address:
-        host, port = parse_addr(store.get(ADDR_KEY.format(peer), timeout=max(0.01, deadline - time.monotonic())))
-        unix = store.get(UNIX_KEY.format(peer), timeout=1.0).decode() if store.check([UNIX_KEY.format(peer)]) else ""
-        return Address(host, port, unix)
-
-    def exhausted(addr: str) -> None:
-        raise_if_exhausted(store, known, rank, peer, addr)
-
-    return open_link(lookup, peer, rank, size, auth, deadline, buffer_bytes, use_unix, tls, streams, exhausted)
 
 
 def raise_if_exhausted(store: Any, auth: Optional[_Auth], rank: int, peer: int, addr: str) -> None:

@@ -1,15 +1,16 @@
-"""A group's connections: the address exchange at setup, the listener, and connections made when first needed.
+"""A group's connections: its listeners, its peers' addresses, and connections made when first needed.
 
-Setup (:func:`connect_mesh`): every rank listens (TCP, and a Unix-domain socket with an
-abstract name on Linux), publishes ``tcp/addr/<rank>`` and ``tcp/unix/<rank>`` in the
-group's store with one ``multi_set`` (rank 0 also the group nonce ``tcp/nonce``), waits
-for every rank's and reads them all with one ``multi_get``. Its listeners are then served
-by the I/O loop (:mod:`tdist_tcp.acceptor`) for the group's lifetime. Connections are
-made when first needed (:meth:`Mesh.connect`, called by the transport); the ``connect``
-option says which are made at setup already: ``ring`` (the default: each rank's two ring
-neighbours, which the large collectives use first, and which checks at setup that the
-ranks agree on the token and TLS), ``lazy`` (none) or ``all`` (every pair, the old full
-mesh). At setup the higher rank of a pair connects and the lower one waits for it.
+Every rank listens (TCP, and a Unix-domain socket with an abstract name on Linux,
+:func:`open_listeners`) and says where in its record of the group's setup
+(:mod:`tdist_tcp.roster`). Its listeners are served by the I/O loop
+(:mod:`tdist_tcp.acceptor`) for the group's lifetime. Connections are made when first
+needed (:meth:`Mesh.connect`, called by the transport), and a peer's address is read
+from its record then, unless known already (:meth:`Mesh.address`): a rank reads only
+the addresses of the peers it connects to. The ``connect`` option says which are made
+at setup already (:meth:`Mesh.connect_at_setup`): ``ring`` (the default: each rank's
+two ring neighbours, which the large collectives use first, and which checks at setup
+that the ranks agree on the token and TLS), ``lazy`` (none) or ``all`` (every pair, the
+old full mesh). At setup the higher rank of a pair connects and the lower one waits for it.
 
 Every connection (TCP or Unix-domain) is mutually authenticated before it carries a
 frame (see :mod:`tdist_tcp.auth`, :mod:`tdist_tcp.connect`). Everything at setup honours
@@ -24,12 +25,11 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from tdist.plugin import (
     DistBackendTimeoutError,
     DistNetworkError,
-    DistStoreTimeoutError,
     descriptor_shortage,
     flag,
     route_address,
@@ -40,23 +40,18 @@ from . import tls as _tls
 from .acceptor import MAX_PENDING, Acceptor
 from .auth import MAX_STREAMS, group_key
 from .connect import (
-    ADDR_KEY,
     DEFAULT_SOCKET_BUFFER,
     EXHAUSTED_KEY,
     HOST_ENV,
     IFNAME_ENV,
-    NONCE_KEY,
-    UNIX_KEY,
     Address,
     _Auth,
-    _connect_one,
     _interface_address,
     configure_socket,
-    format_addr,
     open_link,
-    parse_addr,
     raise_if_exhausted,
 )
+from .roster import RECORD_KEY, Record, first_record, lookup
 
 if TYPE_CHECKING:
     from .transport import Transport
@@ -64,7 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "choose_host",
     "configure_socket",
-    "connect_mesh",
+    "open_listeners",
     "connect_mode",
     "stream_count",
     "Mesh",
@@ -80,7 +75,6 @@ STREAMS_ENV = "TDIST_TCP_STREAMS"
 CONNECT_ENV = "TDIST_TCP_CONNECT"
 CONNECT_MODES = ("ring", "lazy", "all")
 _AF_UNIX = getattr(socket, "AF_UNIX", -1)
-_ = _connect_one  # (tests reach it through this module)
 
 
 # ------------------------------------------------------------------ addresses
@@ -142,7 +136,7 @@ def _missing_ranks(store: Any, ranks: list[int]) -> tuple[list[int], list[int]]:
     present: list[int] = []
     for peer in ranks:
         try:
-            ok = store.check([ADDR_KEY.format(peer)])
+            ok = store.check([RECORD_KEY.format(peer)])
         except Exception:
             ok = False
         (present if ok else absent).append(peer)
@@ -190,7 +184,10 @@ class Mesh:
         self.buffer_bytes = int(options.get("socket_buffer", DEFAULT_SOCKET_BUFFER))
         self.streams = stream_count(options)
         self.use_unix = _unix_enabled(options)
-        self.addresses: list[Optional[Address]] = [None] * size
+        #: the peers' addresses known so far (the others are read from their records when needed)
+        self.addresses: dict[int, Address] = {}
+        #: finds an unknown peer's address by (peer, deadline); default: its record in ``store``
+        self.directory: Callable[[int, float], Address] = self._read_record
         #: connections made or accepted before a transport took them, by peer (stream 0 first)
         self.sockets: dict[int, list[Any]] = {}
         self._lock = threading.Lock()
@@ -201,13 +198,34 @@ class Mesh:
         )
         self.acceptor.on_exhausted = lambda why: store.set(EXHAUSTED_KEY.format(auth.nonce.hex(), rank), why)
 
+    # ------------------------------------------------------------ addresses
+    def learn(self, records: Mapping[int, Record]) -> None:
+        """Remember these ranks' addresses (from their records)."""
+        with self._lock:
+            for peer, record in records.items():
+                if peer != self.rank:
+                    self.addresses[peer] = record.address
+
+    def address(self, peer: int, deadline: float) -> Address:
+        """``peer``'s address: known, or read from its record in the store (waited for until
+        ``deadline``; a DistBackendTimeoutError names ``peer`` if it never appears)."""
+        with self._lock:
+            known = self.addresses.get(peer)
+        if known is not None:
+            return known
+        found = self.directory(peer, deadline)
+        with self._lock:
+            self.addresses[peer] = found
+        return found
+
+    def _read_record(self, peer: int, deadline: float) -> Address:
+        return lookup(self.store, [peer], deadline, self.rank)[peer].address
+
     # ------------------------------------------------------------ connecting
     def connect(self, peer: int, deadline: float) -> Optional[list[Any]]:
         """Open ``peer``'s connections (its streams, stream 0 first) within ``deadline``;
         None if ``peer`` keeps the connection it is opening to this rank (the lower rank's wins)."""
-        where = self.addresses[peer]
-        if where is None:
-            raise DistNetworkError(f"tcp backend: rank {self.rank} does not know rank {peer}'s address")
+        where = self.address(peer, deadline)
 
         def exhausted(addr: str) -> None:
             raise_if_exhausted(self.store, self.auth, self.rank, peer, addr)
@@ -258,6 +276,27 @@ class Mesh:
             if self._transport is not None:
                 self._transport.incoming_failed(peer)
 
+    def connect_at_setup(self, mode: str, deadline: float, timeout: float) -> None:
+        """Make the connections the ``connect`` option asks for at setup (``mode``, see
+        :func:`connect_mode`), within ``deadline``: connect to the lower peers, wait for the
+        higher ones; a timeout names the ranks that did not connect."""
+        setup = _setup_peers(mode, self.rank, self.size)
+        lower = [q for q in setup if q < self.rank]
+        unknown = [q for q in lower if q not in self.addresses]
+        if unknown:
+            try:
+                self.learn(lookup(self.store, unknown, deadline, self.rank))
+            except DistBackendTimeoutError:
+                raise _timeout_error(self.rank, timeout, self.store, unknown) from None
+        for peer in lower:
+            socks = self.connect(peer, deadline)
+            if socks is not None:
+                self._complete(peer, socks)
+        missing = self.wait_for(setup, deadline)
+        if missing:
+            exhausted = [self.acceptor.exhausted] if self.acceptor.exhausted else []
+            raise _timeout_error(self.rank, timeout, self.store, missing, [*self.acceptor.refusals, *exhausted])
+
     def wait_for(self, peers: Sequence[int], deadline: float) -> list[int]:
         """Wait until every one of ``peers`` connected (before a transport serves); the missing."""
         with self._lock:
@@ -299,73 +338,42 @@ def _listen(rank: int, size: int, host: str, port: int, buffer_bytes: int) -> so
     return listener
 
 
-def connect_mesh(
-    store: Any, rank: int, size: int, timeout: float, options: Mapping[str, Any], secret: bytes = b""
-) -> Mesh:
-    """Listen, exchange addresses through ``store`` and make the connections the ``connect``
-    option asks for at setup, within ``timeout`` seconds; ``secret`` is the factory's
-    (empty: no authentication). The returned :class:`Mesh` makes the others when needed."""
-    deadline = time.monotonic() + timeout
-    mode = connect_mode(options)
-    stream_count(options)  # (a bad option: an error before anything is opened)
-    tls = _tls.mesh_tls(options, f"tcp backend rank {rank}")
+def open_listeners(store: Any, rank: int, size: int, options: Mapping[str, Any]) -> tuple[list[socket.socket], Address]:
+    """This rank's listeners (TCP first, then the Unix-domain one where enabled and
+    possible) and the address to publish for them (see :func:`choose_host`)."""
     host = choose_host(store, options)
     buffer_bytes = int(options.get("socket_buffer", DEFAULT_SOCKET_BUFFER))
     listeners = [_listen(rank, size, host, int(options.get("port", 0)), buffer_bytes)]
-    mesh: Optional[Mesh] = None
-    try:
-        unix_name = ""
-        if _unix_enabled(options):
-            unix_listener, unix_name = _unix_listener(buffer_bytes, size)
-            if unix_listener is not None:
-                listeners.append(unix_listener)
-        keys = [UNIX_KEY.format(rank), ADDR_KEY.format(rank)]  # the address last: it says both are there
-        values = [unix_name, format_addr(host, listeners[0].getsockname()[1])]
-        if rank == 0:
-            nonce = os.urandom(16)
-            keys.insert(0, NONCE_KEY)
-            values.insert(0, nonce.hex())
-        else:
-            try:
-                nonce = bytes.fromhex(store.get(NONCE_KEY, timeout=max(0.01, deadline - time.monotonic())).decode())
-            except DistStoreTimeoutError:
-                raise _timeout_error(rank, timeout, store, [0]) from None
-        auth = _Auth(nonce, group_key(secret, nonce), bool(secret))
-        mesh = Mesh(store, rank, size, auth, listeners, options, tls)
-        mesh.acceptor.start()
-        store.multi_set(keys, values)
-        addr_keys = [ADDR_KEY.format(q) for q in range(size)]
-        try:
-            store.wait(addr_keys, timeout=max(0.01, deadline - time.monotonic()))
-        except DistStoreTimeoutError:
-            absent = [q for q in range(size) if not store.check([addr_keys[q]])]
-            raise _timeout_error(rank, timeout, store, absent) from None
-        unix_keys = [UNIX_KEY.format(q) for q in range(size)]
-        if store.check(unix_keys):  # (every rank sets its Unix name with its address)
-            found = store.multi_get(addr_keys + unix_keys)
-        else:  # a rank that published no Unix name: only TCP to it
-            found = store.multi_get(addr_keys)
-            found += [store.get(key) if store.check([key]) else b"" for key in unix_keys]
-        for q in range(size):
-            host_q, port_q = parse_addr(found[q])
-            mesh.addresses[q] = Address(host_q, port_q, bytes(found[size + q]).decode())
-        setup = _setup_peers(mode, rank, size)
-        for peer in (q for q in setup if q < rank):
-            socks = mesh.connect(peer, deadline)
-            if socks is not None:
-                mesh._complete(peer, socks)
-        missing = mesh.wait_for(setup, deadline)
-        if missing:
-            exhausted = [mesh.acceptor.exhausted] if mesh.acceptor.exhausted else []
-            raise _timeout_error(rank, timeout, store, missing, [*mesh.acceptor.refusals, *exhausted])
-        return mesh
-    except BaseException:
-        if mesh is not None:
-            mesh.close()
-        else:
-            for listener in listeners:
-                listener.close()
-        raise
+    unix_name = ""
+    if _unix_enabled(options):
+        unix_listener, unix_name = _unix_listener(buffer_bytes, size)
+        if unix_listener is not None:
+            listeners.append(unix_listener)
+    return listeners, Address(host, listeners[0].getsockname()[1], unix_name)
+
+
+def _connect_one(
+    store: Any,
+    peer: int,
+    rank: int,
+    size: int,
+    secret: bytes,
+    deadline: float,
+    buffer_bytes: int,
+    use_unix: bool,
+    tls: Optional[_tls.MeshTls] = None,
+    streams: int = 1,
+) -> Optional[list[Any]]:
+    """:func:`~tdist_tcp.connect.open_link` to ``peer`` with its address and the group nonce
+    read from the records in ``store``, as a rank that did not join the group would (tests)."""
+    nonce = first_record(store, rank, max(0.01, deadline - time.monotonic())).nonce
+    auth = _Auth(nonce, group_key(secret, nonce), bool(secret))
+
+    def exhausted(addr: str) -> None:
+        raise_if_exhausted(store, auth, rank, peer, addr)
+
+    where = lookup(store, [peer], deadline, rank)[peer].address
+    return open_link(lambda: where, peer, rank, size, auth, deadline, buffer_bytes, use_unix, tls, streams, exhausted)
 
 
 def _unix_enabled(options: Mapping[str, Any]) -> bool:

@@ -160,7 +160,8 @@ def _successor_mesh(
     nonce = hashlib.sha256(mesh.nonce + tag).digest()[:16]
     auth = _Auth(nonce, group_key(mesh.key, nonce), mesh.auth.has_token)
     new = Mesh(store, rank, len(survivors), auth, mesh.acceptor.listeners, options, mesh.tls)
-    new.addresses = [mesh.addresses[r] for r in survivors]
+    new.addresses = {i: mesh.addresses[r] for i, r in enumerate(survivors) if r in mesh.addresses}
+    new.directory = lambda peer, deadline: mesh.address(survivors[peer], deadline)  # the old group's records
     return new
 
 

@@ -2,8 +2,10 @@
 
 When a group is created, rank 0 creates one anonymous segment (:mod:`tdist_tcp.segment`:
 a memory file that never has a name in ``/dev/shm``, authenticated with the group's
-key) and publishes where to find it in the store, under the group's connection
-nonce; the other ranks map it and check it. Once every rank has answered, rank 0
+key) and offers it in its record of the group's setup (:mod:`tdist_tcp.roster`,
+:func:`make_offer`); the other ranks map it and check it (:func:`take_offer`) and say
+so in their records (:func:`open_shm` does the same through keys of its own, for one
+host's ranks of a group that spans several). Once every rank has answered, rank 0
 closes its descriptor: the memory then lives exactly as long as the mappings, which
 :meth:`ShmEngine.close` removes at ``destroy_process_group`` and the kernel at exit,
 so nothing is ever left behind. If any rank cannot map it (another host or pid
@@ -47,6 +49,7 @@ not to spin), :meth:`ShmEngine.settle` waits here, in Python, as every step does
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import platform
@@ -54,7 +57,7 @@ import struct
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 from tdist.plugin import (
@@ -79,7 +82,7 @@ if TYPE_CHECKING:
     from .algorithms import Coll
     from .transport import Transport
 
-__all__ = ["ShmEngine", "open_shm", "shm_enabled", "SHM_ENV", "DEFAULT_SLOT_BYTES"]
+__all__ = ["ShmEngine", "Offer", "make_offer", "take_offer", "open_shm", "shm_enabled", "SHM_ENV", "DEFAULT_SLOT_BYTES"]
 
 SHM_ENV = "TDIST_TCP_SHM"
 DEFAULT_SLOT_BYTES = 1 << 20
@@ -119,75 +122,131 @@ def open_shm(
     key: bytes,
     members: Optional[Sequence[int]] = None,
 ) -> Optional["ShmEngine"]:
-    """Set up (or decline, on every rank alike) the group's shared segment.
+    """Set up (or decline, on every rank alike) the shared segment of ``members`` through the store.
 
     ``members``: the group ranks sharing the segment (one host's, for the hierarchical
     collectives), ``rank`` and ``size`` then being this rank's index among them and their
-    number; None: the whole group. Keys live under the group's connection nonce (and the
-    first member), so a re-created group never reads a previous incarnation's. Every
-    member answers ``ok`` or not; the segment is used only if all did; member 0 holds its
-    descriptor until then. Member 0's buffer size and one-step threshold (which decide
-    the algorithms) are everybody's; its default buffer is bigger when the members
-    outnumber the CPUs member 0 may use (:func:`tdist_tcp.shmwait.oversubscribed`).
+    number; None: the whole group (a group of one host too large for the offer in
+    :mod:`tdist_tcp.roster`). Keys live under the group's connection nonce (and the first
+    member), so a re-created group never reads a previous incarnation's. Member 0 offers
+    a segment (:func:`make_offer`); every other member maps it (:func:`take_offer`) and
+    answers ``ok`` or not; member 0 waits for every answer, holding its descriptor until
+    then, and publishes the verdict, which the others wait for: the segment is used only
+    if every member mapped it. Each member thus reads two keys and member 0 all answers.
     """
     deadline = time.monotonic() + timeout
-    want = shm_enabled(options)
     ranks = list(members) if members is not None else list(range(size))
-    default_slot = DEFAULT_SLOT_BYTES
-    if rank == 0 and shmwait.oversubscribed(size, shmwait.usable_cpus()):
-        default_slot = DEFAULT_SLOT_BYTES_OVERSUBSCRIBED
-    slot = max(_ALIGN * size * 64, int(options.get("shm_slot_bytes", default_slot)))
-    slot = (slot + 4095) // 4096 * 4096
-    direct = min(int(options.get("shm_direct_bytes", DEFAULT_DIRECT_BYTES // size)), slot)
-    key_prefix = f"tcp/shm/{nonce.hex()}/" if members is None else f"tcp/shm/{nonce.hex()}/{ranks[0]}/"
-    where = ""
-    fd = -1
+    prefix = f"tcp/shm/{nonce.hex()}/" if members is None else f"tcp/shm/{nonce.hex()}/{ranks[0]}/"
+    offer: Optional[Offer] = None
     mm: Optional[mmap.mmap] = None
+    slot = direct = 0
     try:
         if rank == 0:
-            if want:
-                try:
-                    name, fd, mm = segment.create(_layout(size, slot)[2], size, slot, nonce, key)
-                    where = segment.locator(name, fd)
-                    set_pid(mm, size, slot, rank)
-                except OSError as exc:
-                    where, mm = "", None
-                    _say_no_descriptors(ranks[rank], exc)
-            store.set(key_prefix + "name", f"{where}|{slot}|{direct}")
+            offer = make_offer(size, options, nonce, key, ranks[0])
+            store.set(prefix + "name", offer.text if offer is not None else "")
+            mm = offer.mm if offer is not None else None
+            slot, direct = (offer.slot, offer.direct) if offer is not None else (0, 0)
+            keys = [prefix + f"ok/{r}" for r in range(1, size)]
+            try:
+                store.wait(keys, timeout=max(0.01, deadline - time.monotonic()))
+            except DistStoreTimeoutError:
+                missing = [ranks[r] for r in range(1, size) if not store.check([keys[r - 1]])]
+                store.set(prefix + "verdict", json.dumps(missing))  # wakes the members waiting for it
+                raise _no_answer(ranks[0], timeout, missing) from None
+            verdict = offer is not None and all(v == b"1" for v in store.multi_get(keys))
+            store.set(prefix + "verdict", "1" if verdict else "0")
         else:
-            raw = store.get(key_prefix + "name", timeout=max(0.01, deadline - time.monotonic())).decode()
-            where, their_slot, their_direct = raw.rsplit("|", 2)
-            slot, direct = int(their_slot), int(their_direct)
-            if want and where:
+            text = store.get(prefix + "name", timeout=max(0.01, deadline - time.monotonic())).decode()
+            mm, slot, direct = take_offer(text, rank, size, options, nonce, key, ranks[rank])
+            store.set(prefix + f"ok/{rank}", "1" if mm is not None else "0")
+            try:
+                said = store.get(prefix + "verdict", timeout=max(0.01, deadline - time.monotonic()))
+            except DistStoreTimeoutError:
+                missing = [ranks[r] for r in range(1, size) if not store.check([prefix + f"ok/{r}"])]
+                raise _no_answer(ranks[rank], timeout, missing or [ranks[0]]) from None
+            if said not in (b"0", b"1"):  # member 0 timed out waiting for these
                 try:
-                    mm = segment.attach(where, _layout(size, slot)[2], size, slot, nonce, key)
-                except OSError as exc:  # out of file descriptors
-                    _say_no_descriptors(ranks[rank], exc)
-            if mm is not None:
-                set_pid(mm, size, slot, rank)
-            store.set(key_prefix + f"ok/{rank}", "1" if mm is not None else "0")
-        keys = [key_prefix + f"ok/{r}" for r in range(1, size)]
-        try:
-            store.wait(keys, timeout=max(0.01, deadline - time.monotonic()))
-        except DistStoreTimeoutError:
-            missing = [ranks[r] for r in range(1, size) if not store.check([key_prefix + f"ok/{r}"])]
-            raise DistBackendTimeoutError(
-                f"tcp backend: rank {ranks[rank]} timed out after {timeout:g} s setting up shared memory: "
-                f"ranks {missing} did not answer"
-            ) from None
-        verdict = bool(where) and all(store.get(k, timeout=1.0) == b"1" for k in keys)
+                    missing = [int(r) for r in json.loads(said)]
+                except (ValueError, TypeError):
+                    missing = [ranks[0]]
+                raise _no_answer(ranks[rank], timeout, missing)
+            verdict = said == b"1"
     except BaseException:
         if mm is not None:
             mm.close()
         raise
     finally:
-        if fd >= 0:
-            segment.close_fd(fd)  # everyone has mapped it (or given up): the mappings hold the memory
+        if offer is not None:
+            segment.close_fd(offer.fd)  # everyone has mapped it (or given up): the mappings hold the memory
     if not verdict or mm is None:
         if mm is not None:
             mm.close()
         return None
     return ShmEngine(mm, rank, size, slot, transport, options, direct, members)
+
+
+class Offer(NamedTuple):
+    """Member 0's new segment: ``text`` tells the others where it is, its buffer size and
+    one-step threshold (``locator|slot|direct``); member 0 holds its descriptor ``fd``
+    until every member answered, then closes it (:func:`tdist_tcp.segment.close_fd`)."""
+
+    text: str
+    fd: int
+    mm: mmap.mmap
+    slot: int
+    direct: int
+
+
+def make_offer(size: int, options: Mapping[str, Any], nonce: bytes, key: bytes, label: int = 0) -> Optional[Offer]:
+    """Member 0's segment for ``size`` members (None when this rank does not offer shared
+    memory, or has no descriptor left: ``label`` is its rank in the warning). Member 0's
+    buffer size and one-step threshold are everybody's; its default buffer is bigger when
+    the members outnumber the CPUs it may use (:func:`tdist_tcp.shmwait.oversubscribed`)."""
+    if not shm_enabled(options):
+        return None
+    default_slot = DEFAULT_SLOT_BYTES
+    if shmwait.oversubscribed(size, shmwait.usable_cpus()):
+        default_slot = DEFAULT_SLOT_BYTES_OVERSUBSCRIBED
+    slot = max(_ALIGN * size * 64, int(options.get("shm_slot_bytes", default_slot)))
+    slot = (slot + 4095) // 4096 * 4096
+    direct = min(int(options.get("shm_direct_bytes", DEFAULT_DIRECT_BYTES // size)), slot)
+    try:
+        name, fd, mm = segment.create(_layout(size, slot)[2], size, slot, nonce, key)
+    except OSError as exc:
+        _say_no_descriptors(label, exc)
+        return None
+    set_pid(mm, size, slot, 0)
+    return Offer(f"{segment.locator(name, fd)}|{slot}|{direct}", fd, mm, slot, direct)
+
+
+def take_offer(
+    text: str, rank: int, size: int, options: Mapping[str, Any], nonce: bytes, key: bytes, label: int = 0
+) -> tuple[Optional[mmap.mmap], int, int]:
+    """Member ``rank`` (not 0) maps the segment an :class:`Offer`'s ``text`` describes:
+    (the mapping, None if it cannot or does not offer shared memory itself; the buffer
+    size; the one-step threshold)."""
+    where, _, sizes = text.partition("|")
+    their_slot, _, their_direct = sizes.partition("|")
+    try:
+        slot, direct = int(their_slot), int(their_direct)
+    except ValueError:
+        return None, 0, 0
+    mm = None
+    if where and shm_enabled(options):
+        try:
+            mm = segment.attach(where, _layout(size, slot)[2], size, slot, nonce, key)
+        except OSError as exc:  # out of file descriptors
+            _say_no_descriptors(label, exc)
+    if mm is not None:
+        set_pid(mm, size, slot, rank)
+    return mm, slot, direct
+
+
+def _no_answer(rank: int, timeout: float, missing: list[int]) -> DistBackendTimeoutError:
+    return DistBackendTimeoutError(
+        f"tcp backend: rank {rank} timed out after {timeout:g} s setting up shared memory: "
+        f"ranks {missing} did not answer"
+    )
 
 
 def _say_no_descriptors(rank: int, exc: OSError) -> None:

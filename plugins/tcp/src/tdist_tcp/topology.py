@@ -7,7 +7,8 @@ N consecutive ranks of the group are one host) or ``host_id`` / ``$TDIST_TCP_HOS
 (this process's host, any string) — to try a multi-host layout on one machine, or to
 split a big machine into several "hosts". A "host" that is not one shared-memory scope
 gets no segment, and the whole group then runs the flat algorithms. Every rank publishes
-its host through the group's store and reads everybody's, so all ranks derive the same layout.
+its host in its record of the group's setup; rank 0 derives the layout from every record
+and hands it to all (:mod:`tdist_tcp.roster`), so all ranks use the same layout.
 """
 
 from __future__ import annotations
@@ -15,15 +16,11 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, NamedTuple
 
-from tdist.plugin import DistBackendTimeoutError, DistStoreTimeoutError
-
 from . import segment
 
 __all__ = [
     "Layout",
-    "everyones",
     "host_id",
-    "host_layout",
     "hierarchy_mode",
     "HOST_ID_ENV",
     "RANKS_PER_HOST_ENV",
@@ -95,29 +92,3 @@ def host_id(options: Mapping[str, Any], rank: int) -> str:
         return f"block:{rank // count}"
     given = options.get("host_id") or os.environ.get(HOST_ID_ENV)
     return f"id:{given}" if given else f"scope:{segment.scope()}"
-
-
-def everyones(store: Any, prefix: str, rank: int, size: int, mine: str, timeout: float, doing: str) -> list[bytes]:
-    """Publish ``mine`` as this rank's value under ``prefix`` and return every rank's, by
-    rank, within ``timeout`` seconds (else a timeout error naming the ranks that are missing)."""
-    store.set(prefix + str(rank), mine)
-    keys = [prefix + str(r) for r in range(size)]
-    try:
-        store.wait(keys, timeout=max(0.01, timeout))
-    except DistStoreTimeoutError:
-        missing = [r for r in range(size) if not store.check([keys[r]])]
-        raise DistBackendTimeoutError(
-            f"tcp backend: rank {rank} timed out after {timeout:g} s {doing}: ranks {missing} did not answer"
-        ) from None
-    return store.multi_get(keys)
-
-
-def host_layout(store: Any, rank: int, size: int, nonce: bytes, timeout: float, host: str) -> Layout:
-    """Publish this rank's ``host`` (its :func:`host_id`) and read every rank's (under the
-    group's nonce, within ``timeout`` seconds): the group's :class:`Layout`, the same on
-    every rank."""
-    ids = everyones(store, f"tcp/host/{nonce.hex()}/", rank, size, host, timeout, "learning the group's hosts")
-    by_host: dict[bytes, list[int]] = {}
-    for r, theirs in enumerate(ids):
-        by_host.setdefault(bytes(theirs), []).append(r)
-    return Layout(tuple(tuple(m) for m in sorted(by_host.values())))
