@@ -5,8 +5,9 @@ whose groups are built through the store (tcp, gloo; MPI needs ULFM, see its spe
 The survivors agree first (:func:`_agree`): each publishes the group ranks it excludes
 under the group's next shrink key, waits for every other survivor's claim and compares.
 A survivor that excludes other ranks, or an excluded rank that is alive and shrinking
-too, is a clear :class:`DistError` on the ranks that see it; a survivor that never
-comes is a timeout naming it. Then they build the new group through the store, as
+too, is a clear :class:`DistError`; each survivor then publishes its verdict and reads
+the others', so one survivor's refusal is every survivor's (none goes on to build a
+group the others left). A survivor that never comes is a timeout naming it. Then they build the new group through the store, as
 ``new_group`` does, and shut the old one down (its pending operations fail).
 
 Shrinking the default group makes the new group the default one with its ranks
@@ -148,30 +149,52 @@ def _check_excluded(ranks_to_exclude: Sequence[Any], pg: ProcessGroup) -> set[in
 
 def _agree(store: Store, key: str, me: int, survivors: list[int], excluded: list[int], timeout: timedelta) -> None:
     """Publish ``excluded`` as this rank's claim, wait for every other survivor's and
-    compare; also look whether an excluded rank is shrinking the group too."""
+    compare; also look whether an excluded rank is shrinking the group too. Then every
+    survivor publishes its verdict and reads the others': one survivor's refusal is every
+    survivor's (an excluded rank's claim may arrive between two survivors' looks)."""
     mine = json.dumps(excluded).encode()
     store.set(f"{key}/{me}", mine)
+    _wait_for(store, [f"{key}/{r}" for r in survivors], survivors, me, timeout, f"excluding {excluded}")
+    refusal = _refusal(store, key, me, survivors, excluded)
+    store.set(f"{key}/verdict/{me}", (refusal or "").encode())
+    if refusal:
+        raise DistError(refusal)
+    _wait_for(store, [f"{key}/verdict/{r}" for r in survivors], survivors, me, timeout, "to agree")
+    verdicts = store.multi_get([f"{key}/verdict/{r}" for r in survivors])
+    for r, theirs in zip(survivors, verdicts):
+        if theirs:
+            raise DistError(
+                f"shrink_group: group rank {r} refused the shrink, so rank {me} does too: {theirs.decode()}"
+            )
+
+
+def _wait_for(store: Store, keys: list[str], ranks: list[int], me: int, timeout: timedelta, what: str) -> None:
+    """Wait for ``keys`` (one per rank of ``ranks``); a DistError names the ranks that never set theirs."""
     try:
-        store.wait([f"{key}/{r}" for r in survivors], timeout=timeout)
+        store.wait(keys, timeout=timeout)
     except DistStoreTimeoutError:
-        missing = [r for r in survivors if not store.check([f"{key}/{r}"])]
+        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
         raise DistError(
             f"shrink_group: group rank {me} waited {timeout.total_seconds():g} s but rank(s) {missing}, which it "
-            f"keeps, never called shrink_group (excluding {excluded})"
+            f"keeps, never called shrink_group ({what})"
         ) from None
-    views = {r: json.loads(store.get(f"{key}/{r}")) for r in survivors}
+
+
+def _refusal(store: Store, key: str, me: int, survivors: list[int], excluded: list[int]) -> Optional[str]:
+    """Why this rank refuses the shrink (the survivors' claims differ, or a rank it excludes
+    is alive and shrinking too), or None."""
+    views = dict(zip(survivors, (json.loads(raw) for raw in store.multi_get([f"{key}/{r}" for r in survivors]))))
     differing = {r: view for r, view in views.items() if view != excluded}
     if differing:
         listing = "; ".join(f"rank {r} excludes {view}" for r, view in differing.items())
-        raise DistError(
-            f"shrink_group: the ranks disagree on the ranks to exclude: rank {me} excludes {excluded}; {listing}"
-        )
+        return f"shrink_group: the ranks disagree on the ranks to exclude: rank {me} excludes {excluded}; {listing}"
     alive = [r for r in excluded if store.check([f"{key}/{r}"])]
     if alive:
-        raise DistError(
+        return (
             f"shrink_group: the ranks disagree: rank(s) {alive}, which rank {me} excludes, are alive and called "
             f"shrink_group too (excluding {[json.loads(store.get(f'{key}/{r}')) for r in alive]})"
         )
+    return None
 
 
 def _retire(
