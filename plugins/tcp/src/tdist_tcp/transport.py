@@ -54,6 +54,7 @@ from .links import (
     PostedRecv,
     Stashed,
     clip_reason,
+    close_links,
     send_control,
     timeout_error,
 )
@@ -591,20 +592,13 @@ class Transport(Handover, Verdicts):
             link.ended.wait(max(0.0, deadline - time.monotonic()))
         if self.mesh is not None:
             self.mesh.close()
-        loop = io_loop()
-        destroyed = DistBackendError(f"tcp backend: {self.me}'s process group was destroyed")
-        for _peer, link in links:
-            loop.unregister(link.sock)
-            link.abandon(destroyed)
-            try:
-                link.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            link.sock.close()
+        close_links(
+            [link for _peer, link in links], DistBackendError(f"tcp backend: {self.me}'s process group was destroyed")
+        )
         if not self.retired:  # (a retired group's helper may still be connecting: nothing of it is needed)
             for helper in self._helpers:
                 helper.join(3.0)
-        loop.settle()
+        io_loop().settle()
 
     def threads(self) -> list[threading.Thread]:
         """The threads serving this group: the I/O loop's while it reads its links, and helpers."""
