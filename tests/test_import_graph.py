@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
+import pytest
+
 CORE_SRC = Path(__file__).resolve().parent.parent / "core" / "src"
 ROOTS = ("tdist", "tdist_autoload")
 
@@ -23,18 +25,18 @@ ROOTS = ("tdist", "tdist_autoload")
 BRIDGE = ("tdist._init", "tdist._shrink", "tdist._bridge", "tdist._torch", "tdist_autoload")
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(CORE_SRC).with_suffix("").parts)
+def _module_name(path: Path, src: Path) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _modules() -> dict[str, Path]:
+def _modules(src: Path = CORE_SRC, roots: tuple[str, ...] = ROOTS) -> dict[str, Path]:
     found: dict[str, Path] = {}
-    for root in ROOTS:
-        for path in sorted((CORE_SRC / root).rglob("*.py")):
-            found[_module_name(path)] = path
+    for root in roots:
+        for path in sorted((src / root).rglob("*.py")):
+            found[_module_name(path, src)] = path
     return found
 
 
@@ -78,9 +80,9 @@ def _known(name: str, modules: dict[str, Path]) -> Optional[str]:
     return None
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the modules of ``core/src`` it imports."""
-    modules = _modules()
+def import_graph(src: Path = CORE_SRC, roots: tuple[str, ...] = ROOTS) -> dict[str, set[str]]:
+    """Module -> the modules of ``src`` (the packages ``roots``; the core's by default) it imports."""
+    modules = _modules(src, roots)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
@@ -193,6 +195,25 @@ def test_no_cycle_through_the_torch_bridge() -> None:
         assert not bridged, f"import cycle through {bridged}: " + " -> ".join(
             shortest_cycle(graph, bridged[0], set(cycle))
         )
+
+
+#: Every first-party distribution's source: the core's and each plugin's.
+SOURCES = [(CORE_SRC, ROOTS)] + [
+    (src, tuple(sorted(p.name for p in src.iterdir() if (p / "__init__.py").exists())))
+    for src in sorted((CORE_SRC.parent.parent / "plugins").glob("*/src"))
+]
+
+
+@pytest.mark.parametrize("src, roots", SOURCES, ids=[src.parent.name for src, _ in SOURCES])
+def test_no_import_cycle(src: Path, roots: tuple[str, ...]) -> None:
+    """No module of the core or of a first-party plugin takes part in an import cycle, not
+    even through an import deferred to a function (the core's ``_work`` <-> ``_futures``,
+    ``bench`` <-> ``bench.torchft``, ``scenarios`` <-> ``scenarios_ft``, tcp's ``backend`` <->
+    ``factory`` and debug's ``hooks`` <-> ``recorder`` were the last)."""
+    assert roots, f"{src} has no package"
+    graph = import_graph(src, roots)
+    cycles = [" -> ".join(shortest_cycle(graph, c[0], set(c))) for c in strongly_connected(graph)]
+    assert not cycles, f"import cycles: {cycles}"
 
 
 def test_autoload_imports_no_tdist_module_at_import() -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ._failure import rank_failure
-from ._work import Work
+
+if TYPE_CHECKING:  # typing only: _work imports this module
+    from ._work import Work
 
 __all__ = ["future_of"]
 

@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ._failure import rank_failure
+from ._futures import future_of
 from ._errors import DistBackendError, DistBackendTimeoutError, DistError
 
 __all__ = ["Work", "Timeout", "seconds"]
@@ -209,8 +210,6 @@ class Work:
 
     def get_future(self) -> Any:
         """A ``torch.futures.Future`` completed with :meth:`result` (or the error)."""
-        from ._futures import future_of
-
         return future_of(self, lambda: list(self._result))
 
     def __repr__(self) -> str:

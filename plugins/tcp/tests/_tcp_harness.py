@@ -40,7 +40,7 @@ def dir_store(path: str) -> Store:
 def make_backend(
     store: Store, rank: int, world: int, timeout: float = 10.0, options: Optional[dict] = None, secret: bytes = b""
 ):
-    from tdist_tcp.backend import create_backend
+    from tdist_tcp.factory import create_backend
 
     return create_backend(
         store=store,

@@ -28,11 +28,9 @@ Needs torchft (``pip install torchft``) and a source checkout (the example).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Optional
 
 __all__ = ["torchft_bench", "format_torchft", "PGS", "KILLS"]
 
@@ -161,14 +159,3 @@ def format_torchft(rows: list[dict]) -> str:
         )
         lines.append(f"  {row['kill']:<14} {label:<30} {seen:>12} {configure:>12} {row['recovered_s']:>8.3f} s{note}")
     return "\n".join(lines)
-
-
-def main(argv: Optional[list[str]] = None) -> int:  # pragma: no cover - python -m tdist.bench --torchft
-    from .__main__ import main as bench_main
-
-    return bench_main(["--torchft", *(argv or [])])
-
-
-if __name__ == "__main__":  # pragma: no cover
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main(sys.argv[1:]))

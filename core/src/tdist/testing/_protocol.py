@@ -21,10 +21,11 @@ import hashlib
 import hmac
 import os
 import pickle
+import queue
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, Optional
 
 __all__ = [
     "send_msg",
@@ -116,3 +117,27 @@ def join_controller(sock: socket.socket, token: bytes, timeout: float = HANDSHAK
         raise AuthenticationFailed("the controller does not know the world's token")
     sock.sendall(_proof(token, b"worker", controller_nonce, my_nonce))
     sock.settimeout(None)
+
+
+def worker_hello(conn: socket.socket, token: bytes) -> Optional[tuple[Any, Any]]:
+    """Controller side: a new connection's first message, ``(kind, hello)``, once it has
+    authenticated (:func:`accept_worker`) -- nothing is unpickled before -- or None, the
+    connection closed, if it did not (a bad token, a timeout, a malformed hello)."""
+    try:
+        accept_worker(conn, token)
+        conn.settimeout(HANDSHAKE_TIMEOUT)
+        kind, hello = recv_msg(conn)
+    except Exception:  # noqa: BLE001 - ChannelClosed, AuthenticationFailed, timeouts, a bad hello
+        conn.close()
+        return None
+    return kind, hello
+
+
+def read_messages(rank: int, conn: socket.socket, inbox: "queue.Queue[tuple[int, Any]]") -> None:
+    """Put every message of an authenticated connection into ``inbox`` as ``(rank,
+    message)``; at its end (EOF or error) ``(rank, ("eof", why))``."""
+    try:
+        while True:
+            inbox.put((rank, recv_msg(conn)))
+    except BaseException as exc:
+        inbox.put((rank, ("eof", f"{type(exc).__name__}: {exc}")))

@@ -3,6 +3,9 @@ return normally, the order to report them in, and the harness's exceptions."""
 
 from __future__ import annotations
 
+import contextlib
+import pickle
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -14,6 +17,8 @@ __all__ = [
     "WorldTimeoutError",
     "failures_first",
     "indent",
+    "reply_outcome",
+    "NOT_THIS_CALL",
 ]
 
 
@@ -113,3 +118,34 @@ def failures_first(outcomes: Sequence[Any]) -> list[RankFailure]:
 def indent(text: str, prefix: str) -> str:
     """``text`` with ``prefix`` before each line."""
     return "\n".join(prefix + line for line in text.splitlines())
+
+
+#: What :func:`reply_outcome` returns for a reply to another (an earlier, abandoned) call.
+NOT_THIS_CALL: Any = object()
+
+
+def reply_outcome(rank: int, msg: tuple, call_id: int, sent_at: float) -> Any:
+    """Rank ``rank``'s outcome of call ``call_id`` (sent at ``sent_at``, monotonic) from
+    one of its worker's messages: ``("ok", id, value)`` is the value, ``("err", id,
+    info, elapsed)`` an ``"error"`` :class:`RankFailure` (with the exception itself where
+    it unpickles), ``("eof", why, exit_code)`` a ``"died"`` one; a reply to another call
+    (or any other message) is :data:`NOT_THIS_CALL`."""
+    kind = msg[0]
+    if kind == "eof":
+        return RankFailure(
+            rank,
+            "died",
+            "WorkerDied",
+            f"worker process exited or closed its connection ({msg[1]}; exit code {msg[2]})",
+            elapsed=time.monotonic() - sent_at,
+        )
+    if kind not in ("ok", "err") or msg[1] != call_id:
+        return NOT_THIS_CALL
+    if kind == "ok":
+        return msg[2]
+    info = msg[2]
+    exc = None
+    if info.get("pickled"):
+        with contextlib.suppress(Exception):
+            exc = pickle.loads(info["pickled"])
+    return RankFailure(rank, "error", info["type"], info["message"], info["traceback"], tuple(info["mro"]), exc, msg[3])

@@ -1,7 +1,7 @@
 """Fault-tolerance scenarios: a rank is lost (killed, stopped past the timeout) or a group
 is aborted, and the survivors agree on what failed, shrink the group and go on.
 
-Registered with :func:`~tdist.testing.scenarios.scenario` like the other failure
+Registered with :func:`~tdist.testing.scenario_kit.scenario` like the other failure
 scenarios; the worker-side parts are the ``_w_*`` functions below.
 """
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from .scenarios import ScenarioContext, _fmt, _info, _w_collectives_until_error, _w_ready, scenario
+from .scenario_kit import ScenarioContext, _fmt, _info, _w_collectives_until_error, _w_ready, scenario
 from .world import RankFailure
 
 __all__: list[str] = []

@@ -24,7 +24,6 @@ import atexit
 import contextlib
 import json
 import os
-import pickle
 import queue
 import secrets
 import signal
@@ -47,9 +46,10 @@ from ._common import (
     dist_module_name,
     fn_ref,
 )
-from ._protocol import HANDSHAKE_TIMEOUT, accept_worker, recv_msg, send_msg
+from ._protocol import read_messages, send_msg, worker_hello
 from ._workers import Workers
 from .outcomes import (
+    NOT_THIS_CALL,
     RankFailure,
     WorldError,
     WorldRunError,
@@ -57,6 +57,7 @@ from .outcomes import (
     WorldTimeoutError,
     failures_first,
     indent,
+    reply_outcome,
 )
 
 __all__ = [
@@ -379,13 +380,10 @@ class World:
         accepting: list,
         lock: threading.Lock,
     ) -> None:
-        try:  # nothing from the connection is unpickled before it has proved it knows the token
-            accept_worker(conn, token)
-            conn.settimeout(HANDSHAKE_TIMEOUT)
-            kind, hello = recv_msg(conn)
-        except Exception:  # noqa: BLE001 - ChannelClosed, AuthenticationFailed, timeouts, a bad hello
-            conn.close()
+        said = worker_hello(conn, token)
+        if said is None:
             return
+        kind, hello = said
         with lock:
             if accepting[0]:
                 arrived.put((conn, kind, hello))
@@ -402,19 +400,10 @@ class World:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._conns[rank] = conn
         self._pids[rank] = int(hello["pid"])
+        # (this start's inbox: a reader outliving a kill/restart cannot post into the next start's)
         threading.Thread(
-            target=self._read, args=(rank, conn, self._inbox), name=f"tdist-world-rank{rank}", daemon=True
+            target=read_messages, args=(rank, conn, self._inbox), name=f"tdist-world-rank{rank}", daemon=True
         ).start()
-
-    @staticmethod
-    def _read(rank: int, conn: socket.socket, inbox: "queue.Queue[tuple[int, Any]]") -> None:
-        # ``inbox`` is this start's queue: a reader outliving a kill/restart cannot
-        # post its end-of-file into the next start's queue.
-        try:
-            while True:
-                inbox.put((rank, recv_msg(conn)))
-        except BaseException as exc:
-            inbox.put((rank, ("eof", f"{type(exc).__name__}: {exc}")))
 
     def kill(self) -> None:
         """SIGKILL every process of this world (idempotent); mark it dead."""
@@ -591,28 +580,12 @@ class World:
                 continue
             if rank in results:
                 continue
-            kind = msg[0]
-            if kind == "eof":
-                time.sleep(0.05)
-                code = self._workers.returncode(rank)
-                results[rank] = RankFailure(
-                    rank,
-                    "died",
-                    "WorkerDied",
-                    f"worker process exited or closed its connection ({msg[1]}; exit code {code})",
-                    elapsed=time.monotonic() - pending.sent_at,
-                )
-            elif kind == "ok" and msg[1] == pending.call_id:
-                results[rank] = msg[2]
-            elif kind == "err" and msg[1] == pending.call_id:
-                info = msg[2]
-                exc = None
-                if info.get("pickled"):
-                    with contextlib.suppress(Exception):
-                        exc = pickle.loads(info["pickled"])
-                results[rank] = RankFailure(
-                    rank, "error", info["type"], info["message"], info["traceback"], tuple(info["mro"]), exc, msg[3]
-                )
+            if msg[0] == "eof":
+                time.sleep(0.05)  # (the exit code, if it is exiting)
+                msg = (*msg, self._workers.returncode(rank))
+            outcome = reply_outcome(rank, msg, pending.call_id, pending.sent_at)
+            if outcome is not NOT_THIS_CALL:
+                results[rank] = outcome
         missing = sorted(expected - set(results))
         died = [r for r, o in results.items() if isinstance(o, RankFailure) and o.kind == "died"]
         if missing and stopping:

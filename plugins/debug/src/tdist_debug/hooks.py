@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tdist import hookimpl
 
-from .recorder import Recorder
+if TYPE_CHECKING:  # typing only: recorder.enable imports this module
+    from .recorder import Recorder
 
 __all__ = ["recorder_plugin"]
 

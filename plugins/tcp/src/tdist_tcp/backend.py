@@ -590,7 +590,20 @@ class TcpBackend(PointToPoint, Backend):
         """``shrink_group``: the survivors' group on this group's connections and segment
         (:func:`tdist_tcp.regroup.shrink`; it fails this group's pending operations first,
         with or without ``abort``), or None where those cannot be reused."""
-        return regroup.shrink(self, survivors, store, global_ranks, options)
+        made = regroup.shrink(self, survivors, store, global_ranks, options)
+        if made is None:
+            return None
+        return TcpBackend(
+            made.rank,
+            made.size,
+            self.timeout,
+            made.transport,
+            options,
+            made.engine,
+            self.authenticated,
+            layout=made.layout,
+            host_shm=made.host_engine,
+        )
 
     def threads(self) -> list[threading.Thread]:
         """The threads this backend started that are still alive (for leak checks)."""
@@ -618,11 +631,3 @@ class TcpBackend(PointToPoint, Backend):
     def authenticated(self) -> bool:
         """Whether this group's connections (and segment) were proved with the job's secret."""
         return self._authenticated
-
-
-def __getattr__(name: str) -> Any:
-    if name == "create_backend":  # (it lives in tdist_tcp.factory, which imports this module)
-        from .factory import create_backend
-
-        return create_backend
-    raise AttributeError(name)

@@ -11,16 +11,15 @@ host's own segment for the hierarchical collectives when it spans several.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Sequence
 
-from tdist.plugin import DistBackendTimeoutError, DistStoreTimeoutError, seconds
+from tdist.plugin import DistBackendTimeoutError, seconds
 
-from . import roster, segment
+from . import roster, segment, tally
 from . import tls as _tls
 from .auth import group_key
 from .backend import TcpBackend
@@ -210,38 +209,19 @@ def _open_hosts(
 def _every_host_ready(store: "Store", prefix: str, rank: int, layout: Layout, ready: bool, deadline: float) -> bool:
     """Whether every host has its segment (the same answer on every rank): each host's first
     rank says whether its host's is up (:func:`~tdist_tcp.shm.open_shm`'s verdict is its
-    members' alike), rank 0 reads the hosts' words and answers for all."""
-    leaders = layout.leaders()
+    members' alike), rank 0 counts the hosts' words and answers for all (:mod:`tdist_tcp.tally`)."""
+    leaders = list(layout.leaders())
     keys = [prefix + str(r) for r in leaders]
     timeout = max(0.01, deadline - time.monotonic())
+
+    def no_answer(missing: list[int]) -> DistBackendTimeoutError:
+        return DistBackendTimeoutError(
+            f"tcp backend: rank {rank} timed out after {timeout:g} s opening every host's shared memory: "
+            f"ranks {missing} did not answer"
+        )
+
     if rank in leaders:
         store.set(prefix + str(rank), "1" if ready else "0")
     if rank == 0:
-        try:
-            store.wait(keys, timeout=timeout)
-        except DistStoreTimeoutError:
-            missing = [r for r, key in zip(leaders, keys) if not store.check([key])]
-            store.set(prefix + "agreed", json.dumps(missing))  # wakes the ranks waiting for the answer
-            raise _hosts_timeout(rank, timeout, missing) from None
-        agreed = all(v == b"1" for v in store.multi_get(keys))
-        store.set(prefix + "agreed", "1" if agreed else "0")
-        return agreed
-    try:
-        said = store.get(prefix + "agreed", timeout=timeout)
-    except DistStoreTimeoutError:
-        missing = [r for r, key in zip(leaders, keys) if not store.check([key])]
-        raise _hosts_timeout(rank, timeout, missing or [0]) from None
-    if said not in (b"0", b"1"):  # rank 0 timed out waiting for these hosts' first ranks
-        try:
-            missing = [int(r) for r in json.loads(said)]
-        except (ValueError, TypeError):
-            missing = [0]
-        raise _hosts_timeout(rank, timeout, missing)
-    return said == b"1"
-
-
-def _hosts_timeout(rank: int, timeout: float, missing: list[int]) -> DistBackendTimeoutError:
-    return DistBackendTimeoutError(
-        f"tcp backend: rank {rank} timed out after {timeout:g} s opening every host's shared memory: "
-        f"ranks {missing} did not answer"
-    )
+        return tally.count(store, keys, leaders, prefix + "agreed", deadline, True, no_answer)
+    return tally.hear(store, keys, leaders, prefix + "agreed", deadline, 0, no_answer)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from tdist.plugin import DistBackendError
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
     from .backend import TcpBackend
     from .shm import ShmEngine
 
-__all__ = ["shrink", "forbid_reuse", "FORBID_KEY", "LOCAL_OPTIONS"]
+__all__ = ["shrink", "Successor", "forbid_reuse", "FORBID_KEY", "LOCAL_OPTIONS"]
 
 #: set in a group's store by a member that aborted it: its successor cannot reuse its connections
 FORBID_KEY = "tcp/shrink/no-reuse"
@@ -84,13 +85,23 @@ def forbid_reuse(tr: Transport) -> None:
             pass
 
 
+@dataclass(frozen=True)
+class Successor:
+    """What the survivors' backend is made of (``TcpBackend`` builds itself from it)."""
+
+    rank: int
+    size: int
+    transport: Transport
+    engine: Optional["ShmEngine"]  # the whole group's segment, or this host's when hierarchical
+    layout: Optional[Layout]  # the ranks by host when hierarchical
+    host_engine: Optional["ShmEngine"]
+
+
 def shrink(
     old: "TcpBackend", survivors: Sequence[int], store: Any, global_ranks: Sequence[int], options: Mapping[str, Any]
-) -> Optional["TcpBackend"]:
-    """The backend of ``old``'s group without the ranks not in ``survivors`` (see the
-    module), or None (the same on every survivor) where it cannot be made from ``old``."""
-    from .backend import TcpBackend
-
+) -> Optional[Successor]:
+    """The parts of ``old``'s group without the ranks not in ``survivors`` (see the
+    module), or None (the same on every survivor) where they cannot be made from ``old``."""
     tr, mesh = old._tr, old._tr.mesh
     survivors = list(survivors)
     if len(survivors) < 2 or mesh is None or tr.retired or old._shut or _changed(old._options, options):
@@ -122,9 +133,7 @@ def shrink(
                 e.close(unmap=False)
         raise
     old._shm = old._hier = None  # (handed over: the old backend's shutdown leaves them alone)
-    return TcpBackend(
-        rank, size, old.timeout, new_tr, options, engine, old.authenticated, layout=layout, host_shm=host_engine
-    )
+    return Successor(rank, size, new_tr, engine, layout, host_engine)
 
 
 def _changed(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:

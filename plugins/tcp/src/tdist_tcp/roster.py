@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, Sequence
 
 from tdist.plugin import DistBackendTimeoutError, DistError, DistNetworkError, DistStoreTimeoutError
 
+from . import tally
 from .connect import Address, format_addr, parse_addr
 from .topology import Layout
 
@@ -111,7 +112,7 @@ def gather(store: Any, size: int, mine: Record, timeout: float, shm_offered: boo
     try:
         store.wait(keys, timeout=max(0.01, timeout))
     except DistStoreTimeoutError:
-        absent = [r for r in range(1, size) if not store.check([keys[r - 1]])] or list(range(1, size))
+        absent = tally.absent(store, keys, range(1, size)) or list(range(1, size))
         store.set(SETUP_KEY, json.dumps({"absent": absent, "timeout": timeout}))
         raise _never_arrived(0, timeout, absent) from None
     records = {0: mine}
@@ -131,8 +132,7 @@ def answer(store: Any, rank: int, size: int, timeout: float) -> Answer:
     try:
         raw = store.get(SETUP_KEY, timeout=max(0.01, timeout))
     except DistStoreTimeoutError:
-        keys = [RECORD_KEY.format(r) for r in range(size)]
-        absent = [r for r in range(size) if not store.check([keys[r]])]
+        absent = tally.absent(store, [RECORD_KEY.format(r) for r in range(size)], range(size))
         if absent:
             raise _never_arrived(rank, timeout, absent) from None
         raise DistBackendTimeoutError(
@@ -162,7 +162,7 @@ def lookup(store: Any, ranks: Sequence[int], deadline: float, me: int) -> dict[i
             store.wait(keys, timeout=max(0.01, deadline - time.monotonic()))
             raws = store.multi_get(keys)
     except DistStoreTimeoutError:
-        absent = [r for r, key in zip(ranks, keys) if not _present(store, key)]
+        absent = tally.absent(store, keys, ranks)
         raise DistBackendTimeoutError(
             f"tcp backend: rank {me} cannot connect to rank(s) {absent or list(ranks)}: no address published in "
             "the group's store (they never took part in the group's setup)"
@@ -172,13 +172,6 @@ def lookup(store: Any, ranks: Sequence[int], deadline: float, me: int) -> dict[i
             f"tcp backend: rank {me} cannot read the address of rank(s) {list(ranks)} from the group's store: {exc}"
         ) from None
     return {r: Record.decode(raw, r) for r, raw in zip(ranks, raws)}
-
-
-def _present(store: Any, key: str) -> bool:
-    try:
-        return bool(store.check([key]))
-    except (DistError, OSError):
-        return False
 
 
 def _never_arrived(rank: int, timeout: float, absent: list[int]) -> DistBackendTimeoutError:

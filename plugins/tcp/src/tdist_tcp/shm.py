@@ -49,7 +49,6 @@ not to spin), :meth:`ShmEngine.settle` waits here, in Python, as every step does
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
 import os
 import platform
@@ -63,13 +62,12 @@ import numpy as np
 from tdist.plugin import (
     DistBackendError,
     DistBackendTimeoutError,
-    DistStoreTimeoutError,
     ReduceOp,
     descriptor_shortage,
     flag,
 )
 
-from . import native, segment, shmwait
+from . import native, segment, shmwait, tally
 from .shmstep import ALIGN as _ALIGN
 from .shmstep import ShmSteps, set_pid
 from .shmstep import layout as _layout
@@ -131,12 +129,21 @@ def open_shm(
     member), so a re-created group never reads a previous incarnation's. Member 0 offers
     a segment (:func:`make_offer`); every other member maps it (:func:`take_offer`) and
     answers ``ok`` or not; member 0 waits for every answer, holding its descriptor until
-    then, and publishes the verdict, which the others wait for: the segment is used only
-    if every member mapped it. Each member thus reads two keys and member 0 all answers.
+    then, and publishes the verdict, which the others wait for (:mod:`tdist_tcp.tally`):
+    the segment is used only if every member mapped it. Each member thus reads two keys
+    and member 0 all answers.
     """
     deadline = time.monotonic() + timeout
     ranks = list(members) if members is not None else list(range(size))
     prefix = f"tcp/shm/{nonce.hex()}/" if members is None else f"tcp/shm/{nonce.hex()}/{ranks[0]}/"
+    keys = [prefix + f"ok/{r}" for r in range(1, size)]  # the members' answers (tdist_tcp.tally)
+
+    def no_answer(missing: list[int]) -> DistBackendTimeoutError:
+        return DistBackendTimeoutError(
+            f"tcp backend: rank {ranks[rank]} timed out after {timeout:g} s setting up shared memory: "
+            f"ranks {missing} did not answer"
+        )
+
     offer: Optional[Offer] = None
     mm: Optional[mmap.mmap] = None
     slot = direct = 0
@@ -146,31 +153,12 @@ def open_shm(
             store.set(prefix + "name", offer.text if offer is not None else "")
             mm = offer.mm if offer is not None else None
             slot, direct = (offer.slot, offer.direct) if offer is not None else (0, 0)
-            keys = [prefix + f"ok/{r}" for r in range(1, size)]
-            try:
-                store.wait(keys, timeout=max(0.01, deadline - time.monotonic()))
-            except DistStoreTimeoutError:
-                missing = [ranks[r] for r in range(1, size) if not store.check([keys[r - 1]])]
-                store.set(prefix + "verdict", json.dumps(missing))  # wakes the members waiting for it
-                raise _no_answer(ranks[0], timeout, missing) from None
-            verdict = offer is not None and all(v == b"1" for v in store.multi_get(keys))
-            store.set(prefix + "verdict", "1" if verdict else "0")
+            verdict = tally.count(store, keys, ranks[1:], prefix + "verdict", deadline, offer is not None, no_answer)
         else:
             text = store.get(prefix + "name", timeout=max(0.01, deadline - time.monotonic())).decode()
             mm, slot, direct = take_offer(text, rank, size, options, nonce, key, ranks[rank])
             store.set(prefix + f"ok/{rank}", "1" if mm is not None else "0")
-            try:
-                said = store.get(prefix + "verdict", timeout=max(0.01, deadline - time.monotonic()))
-            except DistStoreTimeoutError:
-                missing = [ranks[r] for r in range(1, size) if not store.check([prefix + f"ok/{r}"])]
-                raise _no_answer(ranks[rank], timeout, missing or [ranks[0]]) from None
-            if said not in (b"0", b"1"):  # member 0 timed out waiting for these
-                try:
-                    missing = [int(r) for r in json.loads(said)]
-                except (ValueError, TypeError):
-                    missing = [ranks[0]]
-                raise _no_answer(ranks[rank], timeout, missing)
-            verdict = said == b"1"
+            verdict = tally.hear(store, keys, ranks[1:], prefix + "verdict", deadline, ranks[0], no_answer)
     except BaseException:
         if mm is not None:
             mm.close()
@@ -240,13 +228,6 @@ def take_offer(
     if mm is not None:
         set_pid(mm, size, slot, rank)
     return mm, slot, direct
-
-
-def _no_answer(rank: int, timeout: float, missing: list[int]) -> DistBackendTimeoutError:
-    return DistBackendTimeoutError(
-        f"tcp backend: rank {rank} timed out after {timeout:g} s setting up shared memory: "
-        f"ranks {missing} did not answer"
-    )
 
 
 def _say_no_descriptors(rank: int, exc: OSError) -> None:
