@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED := 1
 
 venv: $(STAMP)
 
-$(STAMP): Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES)) plugins/tcp/setup.py plugins/tcp/src/tdist_tcp/_shmfast.c
+$(STAMP): Makefile constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES)) plugins/tcp/setup.py plugins/tcp/src/tdist_tcp/shared/_shmfast.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# Versions come from constraints.txt (torch: the CPU wheel; a looser spec pulls gigabytes of CUDA packages).

@@ -78,7 +78,7 @@ def test_first_party_works_use_the_template():
     from tdist_gloo.work import GlooWork
     from tdist_mpi._work import MPIWork
     from tdist_nccl.work import NcclWork
-    from tdist_tcp.lanes import TcpWork
+    from tdist_tcp.collectives.lanes import TcpWork
 
     for cls in (GlooWork, MPIWork, NcclWork, TcpWork):
         assert not {"wait", "is_completed", "add_done_callback", "get_future"} & set(vars(cls)), cls

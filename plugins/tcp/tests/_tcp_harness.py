@@ -23,9 +23,9 @@ from tdist.testing import RankFailure, World
 
 
 def record(store: Store, rank: int, timeout: float = 30.0) -> Any:
-    """Rank ``rank``'s record of the group's setup in ``store`` (:class:`tdist_tcp.roster.Record`:
+    """Rank ``rank``'s record of the group's setup in ``store`` (:class:`tdist_tcp.net.roster.Record`:
     where it listens; rank 0's also the group nonce), waiting for it up to ``timeout`` s."""
-    from tdist_tcp.roster import RECORD_KEY, Record
+    from tdist_tcp.net.roster import RECORD_KEY, Record
 
     return Record.decode(store.get(RECORD_KEY.format(rank), timeout=timeout), rank)
 

@@ -482,9 +482,9 @@ __all__ = [name for name in dir() if not name.startswith("_")] + ["DistBackendEr
 
 
 def shm_wait_policy_job(b: Any, rank: int) -> tuple:
-    """This rank's shared-memory waiting policy (tdist_tcp.shmwait), as the Python steps and
+    """This rank's shared-memory waiting policy (tdist_tcp.shared.shmwait), as the Python steps and
     the C part hold it, the CPUs its group may use, its group size and buffer bytes."""
-    from tdist_tcp import shmwait
+    from tdist_tcp.shared import shmwait
 
     eng = b._shm
     fast = eng.fast

@@ -63,7 +63,7 @@ def _factory_keys() -> bool:
     """Whether the factory published this group's setup (rank 0's answer) in the store (it
     does for a group it builds; a group made from the old one's connections needs none)."""
     from tdist._groups import STATE, resolve_group
-    from tdist_tcp.roster import SETUP_KEY
+    from tdist_tcp.net.roster import SETUP_KEY
 
     name = resolve_group(None).name  # (the group's own name, not torch's mirror's)
     return bool(dist.PrefixStore("tcp", dist.PrefixStore(name, STATE.store)).check([SETUP_KEY]))

@@ -1,4 +1,4 @@
-"""Mesh authentication (tdist_tcp.auth, tdist_tcp.mesh): with a secret, a process that read
+"""Mesh authentication (tdist_tcp.protocol.auth, tdist_tcp.net.mesh): with a secret, a process that read
 the store (addresses, group nonce) but does not hold the job's token cannot take a rank's
 place, on the TCP or the Unix-domain listener, as a connector or as a listener; ranks
 given different tokens fail with errors that say so; random and mutated handshakes
@@ -26,10 +26,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tdist._errors import DistBackendTimeoutError, DistNetworkError
 from tdist._reduce_op import ReduceOp, Reduction
-from tdist_tcp import mesh
-from tdist_tcp.auth import ACCEPTED, HELLO, MAC_SIZE, REFUSED, make_hello
-from tdist_tcp.connect import Address
-from tdist_tcp.roster import RECORD_KEY, Record
+from tdist_tcp.net import mesh
+from tdist_tcp.protocol.auth import ACCEPTED, HELLO, MAC_SIZE, REFUSED, make_hello
+from tdist_tcp.net.connect import Address
+from tdist_tcp.net.roster import RECORD_KEY, Record
 
 pytestmark = pytest.mark.timeout(120)
 SUM = Reduction(ReduceOp.SUM)

@@ -1,4 +1,4 @@
-"""The tcp backend's hierarchical collectives (tdist_tcp.hierarchy, tdist_tcp.topology) on
+"""The tcp backend's hierarchical collectives (tdist_tcp.collectives.hierarchy, tdist_tcp.shared.topology) on
 one machine: ``ranks_per_host`` makes every N consecutive ranks a "host" (their segments
 are real, the exchange between "hosts" goes over sockets), so every layout, uniform or
 not, runs here. Across separate (simulated) hosts: tests/test_multihost.py and
@@ -16,9 +16,9 @@ import pytest
 import torch
 from _tcp_harness import ProcWorld, run_threads
 from tdist._reduce_op import ReduceOp, Reduction
-from tdist_tcp import segment
-from tdist_tcp import shm as S
-from tdist_tcp.topology import Layout, hierarchy_mode, host_id
+from tdist_tcp.shared import segment
+from tdist_tcp.shared import shm as S
+from tdist_tcp.shared.topology import Layout, hierarchy_mode, host_id
 
 pytestmark = [
     pytest.mark.timeout(180),

@@ -11,7 +11,7 @@ import time
 
 import pytest
 from tdist import DistBackendError
-from tdist_tcp.lanes import Lane, TcpWork
+from tdist_tcp.collectives.lanes import Lane, TcpWork
 
 pytestmark = pytest.mark.timeout(60)
 

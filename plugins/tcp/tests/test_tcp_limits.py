@@ -10,7 +10,7 @@ import pytest
 import torch
 from tdist.plugin import HashStore
 from _tcp_harness import run_threads
-from tdist_tcp.transport import ABORT_REASON_CHARS, clip_reason
+from tdist_tcp.net.transport import ABORT_REASON_CHARS, clip_reason
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""The shared-memory engine's C part (tdist_tcp._shmfast, tdist_tcp.native) on its own:
+"""The shared-memory engine's C part (tdist_tcp.shared._shmfast, tdist_tcp.shared.native) on its own:
 every reduction it does against torch, bit for bit, with the values that tell
 implementations apart (NaN, signed zeros, infinities, integer overflow); the step
 protocol (WAIT, finish, MISMATCH) against a peer played by the test on a private
@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 import torch
 from tdist._reduce_op import ReduceOp, Reduction, make_premul_sum
-from tdist_tcp import native
-from tdist_tcp import shmstep as S
+from tdist_tcp.shared import native
+from tdist_tcp.shared import shmstep as S
 
 pytestmark = pytest.mark.timeout(120)
 
 FAST = native.native_module({})
-needs_c = pytest.mark.skipif(FAST is None, reason="tdist_tcp._shmfast is not built")
+needs_c = pytest.mark.skipif(FAST is None, reason="tdist_tcp.shared._shmfast is not built")
 
 SLOT = 4096
 P = 2
@@ -231,7 +231,7 @@ def test_switched_off_by_option_or_environment(monkeypatch):
 def test_installs_without_a_c_compiler(tmp_path):
     """The extension is optional: with a compiler that always fails, the wheel still
     builds (pure Python, no _shmfast), and with one it contains the extension."""
-    source = Path(native.__file__).resolve().parents[2]
+    source = Path(native.__file__).resolve().parents[3]
     assert (source / "setup.py").is_file(), source
     copy = tmp_path / "tdist-tcp"
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns("*.so", "build", "*.egg-info", "__pycache__"))
@@ -260,7 +260,7 @@ def test_installs_without_a_c_compiler(tmp_path):
         return zipfile.ZipFile(wheel).namelist()
 
     names = wheel_files({**os.environ, "CC": "false", "LDSHARED": "false"}, "without")
-    assert "tdist_tcp/native.py" in names and "tdist_tcp/shm.py" in names
+    assert "tdist_tcp/shared/native.py" in names and "tdist_tcp/shared/shm.py" in names
     assert not [n for n in names if n.endswith((".so", ".pyd", ".c"))], names
     names = wheel_files(dict(os.environ), "with")
-    assert [n for n in names if n.startswith("tdist_tcp/_shmfast") and n.endswith(".so")], names
+    assert [n for n in names if n.startswith("tdist_tcp/shared/_shmfast") and n.endswith(".so")], names

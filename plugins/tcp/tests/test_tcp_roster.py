@@ -1,4 +1,4 @@
-"""The group's setup through the store (tdist_tcp.roster): one record per rank, rank 0's
+"""The group's setup through the store (tdist_tcp.net.roster): one record per rank, rank 0's
 answer for all, every rank reading only the addresses it needs; and what each side says
 when a rank never comes."""
 
@@ -13,10 +13,10 @@ from _tcp_harness import make_backend, run_threads
 from tdist._errors import DistBackendTimeoutError, DistNetworkError
 from tdist.plugin import HashStore
 from tdist_tcp import factory
-from tdist_tcp.auth import group_key
-from tdist_tcp.connect import Address, _Auth
-from tdist_tcp.mesh import Mesh
-from tdist_tcp.roster import (
+from tdist_tcp.protocol.auth import group_key
+from tdist_tcp.net.connect import Address, _Auth
+from tdist_tcp.net.mesh import Mesh
+from tdist_tcp.net.roster import (
     RECORD_KEY,
     SETUP_KEY,
     Record,
@@ -28,9 +28,9 @@ from tdist_tcp.roster import (
     publish,
     unpack_hosts,
 )
-from tdist_tcp.shm import shm_enabled
-from tdist_tcp.topology import Layout
-from tdist_tcp.transport import Transport
+from tdist_tcp.shared.shm import shm_enabled
+from tdist_tcp.shared.topology import Layout
+from tdist_tcp.net.transport import Transport
 
 pytestmark = pytest.mark.timeout(120)
 NONCE = b"\x05" * 16

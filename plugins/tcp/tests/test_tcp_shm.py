@@ -1,4 +1,4 @@
-"""The tcp backend's shared-memory collectives (tdist_tcp.shm): correctness across sizes,
+"""The tcp backend's shared-memory collectives (tdist_tcp.shared.shm): correctness across sizes,
 dtypes and reduce ops (in one round of the segment's buffers and in many), opt-out,
 the whole group falling back when one rank declines, mismatch, dead peers, timeouts,
 and no segment left mapped or open after destroy or a killed peer.
@@ -20,8 +20,8 @@ from tdist.plugin import HashStore
 from _tcp_harness import ProcWorld, make_backend, run_threads
 from tdist._errors import DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction
-from tdist_tcp import native, segment, shmstep
-from tdist_tcp import shm as S
+from tdist_tcp.shared import native, segment, shmstep
+from tdist_tcp.shared import shm as S
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -98,7 +98,7 @@ def test_suites_threads_4(blocking):
     assert len({r[2] for r in results}) == 1
 
 
-@pytest.mark.skipif(not HAS_NATIVE, reason="tdist_tcp._shmfast is not built")
+@pytest.mark.skipif(not HAS_NATIVE, reason="tdist_tcp.shared._shmfast is not built")
 def test_c_and_python_steps_agree_bitwise_and_mix_in_one_group(world3):
     """The C part and the Python steps give bitwise identical results (random floats,
     SUM and AVG), and ranks with and without it share a group: they follow one protocol."""
@@ -306,8 +306,8 @@ _SETUP_PROGRAM = """
 import sys, time
 sys.path.insert(0, sys.argv[3])
 from _tcp_harness import dir_store, make_backend, record
-from tdist_tcp.auth import group_key
-from tdist_tcp.shm import take_offer
+from tdist_tcp.protocol.auth import group_key
+from tdist_tcp.shared.shm import take_offer
 
 rank, store = int(sys.argv[1]), dir_store(sys.argv[2])
 if rank == 0:
@@ -369,7 +369,7 @@ def test_every_rank_killed_during_setup_leaves_nothing(tmp_path):
 def test_setup_with_a_missing_rank_releases_the_segment():
     """Rank 0 creates the segment, its peer never answers: the setup times out and this
     process neither maps it nor holds a descriptor of it any more."""
-    from tdist_tcp.transport import Transport
+    from tdist_tcp.net.transport import Transport
 
     store = HashStore()
     tr = Transport(0, 2, {}, 1.0)

@@ -1,4 +1,4 @@
-"""The shared-memory engine's waiting policy (tdist_tcp.shmwait): a waiter spins only while
+"""The shared-memory engine's waiting policy (tdist_tcp.shared.shmwait): a waiter spins only while
 every rank of the host can have a CPU, and the engines (the Python steps and the C part)
 wait as the policy says. Decisions only: how fast each choice is goes into the benchmarks
 (``python -m tdist.bench --ddp``)."""
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 from _tcp_harness import ProcWorld, run_threads
-from tdist_tcp import shm as S
-from tdist_tcp import shmwait as W
+from tdist_tcp.shared import shm as S
+from tdist_tcp.shared import shmwait as W
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,7 +80,7 @@ def test_usable_cpus_is_the_union_of_the_members_affinities():
     cpus = sorted(os.sched_getaffinity(0))
     peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        probe = "import os, sys; os.sched_setaffinity(0, {%d}); from tdist_tcp import shmwait; print(shmwait.usable_cpus([%d]))"
+        probe = "import os, sys; os.sched_setaffinity(0, {%d}); from tdist_tcp.shared import shmwait; print(shmwait.usable_cpus([%d]))"
         os.sched_setaffinity(peer.pid, {cpus[0]})
         one = subprocess.run([sys.executable, "-c", probe % (cpus[0], peer.pid)], capture_output=True, text=True)
         assert one.stdout.strip() == "1", one.stderr

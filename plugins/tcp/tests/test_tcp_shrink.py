@@ -18,7 +18,7 @@ import _tcp_shrink_jobs as J
 import pytest
 from tdist.testing import RankFailure, World
 from tdist.testing.tls_certs import OPENSSL, make_pki, tls_env
-from tdist_tcp import shm as S
+from tdist_tcp.shared import shm as S
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -179,7 +179,7 @@ def test_after_an_abort_every_survivor_builds_anew():
 # ------------------------------------------------------------------ the link protocol
 def _pair(epoch: int = 0):
     """Two transports (ranks 0 and 1 of a group of 3) joined by a socket pair."""
-    from tdist_tcp.transport import Transport
+    from tdist_tcp.net.transport import Transport
 
     a, b = socket.socketpair()
     return Transport(0, 3, {1: [a]}, 5.0, epoch=epoch), Transport(1, 3, {0: [b]}, 5.0, epoch=epoch)
@@ -187,7 +187,7 @@ def _pair(epoch: int = 0):
 
 def _coll_frame(value: float, seq: int = 1):
     import torch
-    from tdist_tcp.wire import COLL, OP_CODES, byte_view, pack_header
+    from tdist_tcp.protocol.wire import COLL, OP_CODES, byte_view, pack_header
 
     t = torch.full((4,), value)
     return pack_header(COLL, OP_CODES["broadcast"], 0, 6, 0, seq, t.nbytes), byte_view(t)
@@ -195,7 +195,7 @@ def _coll_frame(value: float, seq: int = 1):
 
 def _recv_coll(tr, src: int, seq: int = 1, wait: float = 5.0):
     import torch
-    from tdist_tcp.wire import OP_CODES, byte_view
+    from tdist_tcp.protocol.wire import OP_CODES, byte_view
 
     out = torch.zeros(4)
     pr = tr.post_coll(src, byte_view(out), OP_CODES["broadcast"], 0, seq, 6)
@@ -205,7 +205,7 @@ def _recv_coll(tr, src: int, seq: int = 1, wait: float = 5.0):
 
 def _successor(tr, peer_old: int, epoch: int):
     from tdist.plugin import DistBackendError
-    from tdist_tcp.transport import Transport
+    from tdist_tcp.net.transport import Transport
 
     new = Transport(tr.rank, 2, {}, 5.0, epoch=epoch)
     links = tr.retire(DistBackendError("shrunk"), new, {0: 0, 1: 1})
@@ -287,7 +287,7 @@ def test_an_abort_names_the_rank_whose_loss_it_relays():
     """A rank that breaks its group because rank 2 died tells its peers so: their error
     blames rank 2 (the agreement then does not suspect the messenger), not rank 0."""
     from tdist.plugin import DistBackendError
-    from tdist_tcp.transport import Transport
+    from tdist_tcp.net.transport import Transport
 
     a_sock, b_sock = socket.socketpair()
     a = Transport(0, 3, {1: [a_sock]}, 5.0, global_ranks=[10, 11, 12])
@@ -313,7 +313,7 @@ def test_a_connection_still_being_opened_goes_to_the_new_group():
     it retired; rank 1 accepted it before it retired (so it takes it over): when rank 0's
     connect completes, the connection is the new group's on both ends."""
     from tdist.plugin import DistBackendError
-    from tdist_tcp.transport import Transport
+    from tdist_tcp.net.transport import Transport
 
     a_sock, b_sock = socket.socketpair()
     a, b = Transport(0, 3, {}, 5.0), Transport(1, 3, {0: [b_sock]}, 5.0)  # b accepted; a's connect still runs

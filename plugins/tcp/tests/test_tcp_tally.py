@@ -1,4 +1,4 @@
-"""tdist_tcp.tally: the store's yes/no agreement of a group's setup (members in threads on
+"""tdist_tcp.net.tally: the store's yes/no agreement of a group's setup (members in threads on
 one HashStore): every member gets the same verdict, and a missing word is the same timeout
 error, naming the member, on every member -- fast, not at each member's own timeout."""
 
@@ -11,7 +11,7 @@ from typing import Any, Optional
 import pytest
 from tdist.plugin import DistBackendTimeoutError, HashStore
 
-from tdist_tcp import tally
+from tdist_tcp.net import tally
 
 KEYS = [f"word/{r}" for r in range(1, 4)]
 LABELS = [1, 2, 3]

@@ -19,7 +19,7 @@ from tdist.plugin import HashStore
 from _tcp_harness import make_backend, record, run_threads
 from tdist._errors import DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction
-from tdist_tcp.auth import HELLO
+from tdist_tcp.protocol.auth import HELLO
 
 pytestmark = pytest.mark.timeout(90)
 SUM = Reduction(ReduceOp.SUM)

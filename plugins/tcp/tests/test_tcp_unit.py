@@ -11,9 +11,9 @@ import torch
 from tdist._errors import DistBackendError
 from tdist._reduce_op import ReduceOp, Reduction, make_premul_sum
 from tdist.reduction import check_reduction, combine_, finalize_, prescale_, prescaled
-from tdist_tcp import algorithms as algo
-from tdist_tcp import wire
-from tdist_tcp.lanes import Lane, TcpWork
+from tdist_tcp.collectives import algorithms as algo
+from tdist_tcp.protocol import wire
+from tdist_tcp.collectives.lanes import Lane, TcpWork
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -302,7 +302,7 @@ class _FakePrefixStore:
 
 
 def test_choose_host_order(monkeypatch):
-    from tdist_tcp.mesh import HOST_ENV, IFNAME_ENV, choose_host
+    from tdist_tcp.net.mesh import HOST_ENV, IFNAME_ENV, choose_host
 
     monkeypatch.delenv(HOST_ENV, raising=False)
     monkeypatch.delenv(IFNAME_ENV, raising=False)
@@ -320,7 +320,7 @@ def _transport_and_peer():
     """A Transport of rank 0 in a group of 2, and the raw socket that plays rank 1."""
     import socket
 
-    from tdist_tcp.transport import Transport
+    from tdist_tcp.net.transport import Transport
 
     mine, theirs = socket.socketpair()
     return Transport(0, 2, {1: [mine]}, 10.0), theirs
@@ -409,7 +409,7 @@ def test_p2p_receive_of_a_message_still_arriving_returns_at_once():
 
 # ------------------------------------------------------------------ streams
 def test_stream_count_from_option_or_environment(monkeypatch):
-    from tdist_tcp.mesh import STREAMS_ENV, stream_count
+    from tdist_tcp.net.mesh import STREAMS_ENV, stream_count
 
     monkeypatch.delenv(STREAMS_ENV, raising=False)
     assert stream_count({}) == 1
@@ -423,7 +423,7 @@ def test_stream_count_from_option_or_environment(monkeypatch):
 
 
 def test_hello_names_the_stream_and_refuses_impossible_ones():
-    from tdist_tcp.auth import MAX_STREAMS, make_hello, parse_hello
+    from tdist_tcp.protocol.auth import MAX_STREAMS, make_hello, parse_hello
 
     nonce = b"n" * 16
     hello = parse_hello(make_hello(nonce, 1, 4, True, 2, 3), nonce, 4)
@@ -439,7 +439,7 @@ def test_segments_take_turns_on_the_links_of_a_pair():
     and a link that ends without a goodbye breaks the group naming the peer."""
     import socket
 
-    from tdist_tcp.transport import Transport
+    from tdist_tcp.net.transport import Transport
 
     pairs = [socket.socketpair() for _ in range(2)]
     tr = Transport(0, 2, {1: [mine for mine, _ in pairs]}, 10.0)

@@ -1,11 +1,11 @@
 """``TcpBackend``: every tdist operation on CPU tensors over the tcp transport.
 
 Collectives are queued on one FIFO lane per group and normally run in the thread
-that waits for them (see :mod:`tdist_tcp.lanes`); a caller that waits for a small
+that waits for them (see :mod:`tdist_tcp.collectives.lanes`); a caller that waits for a small
 collective over shared memory skips the lane's queue and runs it with one call into
 the C part (:meth:`TcpBackend._quick`); sends have their own lane and receives need no
 thread of their own (the process's I/O loop completes them), so point-to-point traffic
-(:mod:`tdist_tcp.p2p`) never queues behind collectives. :mod:`tdist_tcp.factory` builds
+(:mod:`tdist_tcp.collectives.p2p`) never queues behind collectives. :mod:`tdist_tcp.factory` builds
 the backend; ``shrink_group`` makes a group's successor from it (:mod:`tdist_tcp.regroup`).
 
 Options (``pg_options`` of ``init_process_group`` or ``new_group``; the same on every
@@ -13,14 +13,14 @@ rank): ``host`` (address to listen on and publish; else ``$TDIST_TCP_HOST``), ``
 (take the address of this interface; else ``$TDIST_TCP_IFNAME``), ``port`` (default: any
 free port), ``socket_buffer`` (SO_SNDBUF/SO_RCVBUF bytes, default 4 MiB), ``streams``
 (TCP connections per pair of ranks, default 1; else ``$TDIST_TCP_STREAMS``), ``connect``
-(connections made at setup: ``ring``, ``lazy`` or ``all``; see :mod:`tdist_tcp.mesh`),
+(connections made at setup: ``ring``, ``lazy`` or ``all``; see :mod:`tdist_tcp.net.mesh`),
 ``unix`` (same-host peers over a Unix-domain socket, default True; ``$TDIST_TCP_UNIX=0``
 disables), ``shm`` (collectives through shared memory when the whole group is on this
-host, default True; ``$TDIST_TCP_SHM=0`` disables; :mod:`tdist_tcp.shm`, whose ``shm_*``
+host, default True; ``$TDIST_TCP_SHM=0`` disables; :mod:`tdist_tcp.shared.shm`, whose ``shm_*``
 options the plugin's README lists), ``native`` (small shared-memory collectives in one
-call into the C part, default True where built; see :mod:`tdist_tcp.native`) and the
+call into the C part, default True where built; see :mod:`tdist_tcp.shared.native`) and the
 tunables of :data:`DEFAULTS`. The factory's ``secret`` (from the job's token) authenticates every
-connection and the shared segment (:mod:`tdist_tcp.auth`); without one, nothing is.
+connection and the shared segment (:mod:`tdist_tcp.protocol.auth`); without one, nothing is.
 """
 
 from __future__ import annotations
@@ -43,21 +43,22 @@ from tdist.plugin import (
     seconds,
 )
 
-from . import algorithms as algo
-from . import native, regroup
-from .hierarchy import Hierarchy
-from .lanes import Lane, TcpWork
-from .p2p import PointToPoint
-from .shm import ShmEngine
-from .tensors import concat as _concat
-from .tensors import finalize as _finalize
-from .tensors import inplace as _inplace
-from .tensors import output as _output
-from .tensors import prescale as _prescale
-from .tensors import source as _source
-from .topology import Layout
-from .transport import Transport
-from .wire import OP_CODES, byte_view, dtype_code, redop_code
+from .collectives import algorithms as algo
+from .shared import native
+from . import regroup
+from .collectives.hierarchy import Hierarchy
+from .collectives.lanes import Lane, TcpWork
+from .collectives.p2p import PointToPoint
+from .shared.shm import ShmEngine
+from .collectives.tensors import concat as _concat
+from .collectives.tensors import finalize as _finalize
+from .collectives.tensors import inplace as _inplace
+from .collectives.tensors import output as _output
+from .collectives.tensors import prescale as _prescale
+from .collectives.tensors import source as _source
+from .shared.topology import Layout
+from .net.transport import Transport
+from .protocol.wire import OP_CODES, byte_view, dtype_code, redop_code
 
 if TYPE_CHECKING:
     import torch
@@ -185,7 +186,7 @@ class TcpBackend(PointToPoint, Backend):
         return DistBackendError(f"tcp backend: {self._tr.me}'s process group was {what}")
 
     def _codes_of(self, redop: Optional["Reduction"], dtype: Any) -> tuple[int, int, int, int]:
-        """The wire codes of (reduce op, dtype), and :mod:`tdist_tcp.native`'s element type and
+        """The wire codes of (reduce op, dtype), and :mod:`tdist_tcp.shared.native`'s element type and
         operator codes (0: not reduced in C), remembered per pair."""
         key = dtype if redop is None else (id(redop.op), dtype)  # (members are singletons, slow to hash)
         codes = self._codes.get(key)

@@ -1,10 +1,10 @@
 """The tcp backend's factory: a group's connections, shared memory and hierarchy, then its :class:`TcpBackend`.
 
 :func:`create_backend` (registered for ``tcp``) listens, takes part in the group's setup
-through the store (:mod:`tdist_tcp.roster`: one record per rank, gathered by rank 0, whose
+through the store (:mod:`tdist_tcp.net.roster`: one record per rank, gathered by rank 0, whose
 answer gives every rank the group's layout), makes the connections the ``connect`` option
-asks for at setup (:class:`~tdist_tcp.mesh.Mesh`), builds the group's
-:class:`~tdist_tcp.transport.Transport`, and uses shared memory where the layout allows:
+asks for at setup (:class:`~tdist_tcp.net.mesh.Mesh`), builds the group's
+:class:`~tdist_tcp.net.transport.Transport`, and uses shared memory where the layout allows:
 rank 0's segment, offered in its record, when the whole group shares one host; every
 host's own segment for the hierarchical collectives when it spans several.
 """
@@ -19,15 +19,17 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Sequence
 
 from tdist.plugin import DistBackendTimeoutError, seconds
 
-from . import roster, segment, tally
-from . import tls as _tls
-from .auth import group_key
+from .net import roster, tally
+
+from .shared import segment
+from .protocol import tls as _tls
+from .protocol.auth import group_key
 from .backend import TcpBackend
-from .connect import _Auth
-from .mesh import Mesh, connect_mode, open_listeners, stream_count
-from .shm import ShmEngine, make_offer, open_shm, shm_enabled, take_offer
-from .topology import Layout, hierarchy_mode, host_id
-from .transport import Transport
+from .net.connect import _Auth
+from .net.mesh import Mesh, connect_mode, open_listeners, stream_count
+from .shared.shm import ShmEngine, make_offer, open_shm, shm_enabled, take_offer
+from .shared.topology import Layout, hierarchy_mode, host_id
+from .net.transport import Transport
 
 if TYPE_CHECKING:
     from tdist.plugin import Store
@@ -36,7 +38,7 @@ __all__ = ["create_backend", "OFFER_MAX_RANKS"]
 
 #: the largest group to which rank 0 offers a segment in its record, before it knows whether
 #: the group shares one host (the segment is sized for every rank; beyond, a group of one
-#: host sets its segment up afterwards, in a second exchange: :func:`tdist_tcp.shm.open_shm`)
+#: host sets its segment up afterwards, in a second exchange: :func:`tdist_tcp.shared.shm.open_shm`)
 OFFER_MAX_RANKS = 512
 
 
@@ -113,7 +115,7 @@ def create_backend(
 def _set_up(
     store: "Store", rank: int, size: int, timeout: float, options: Mapping[str, Any], secret: bytes, host: str
 ) -> tuple[Mesh, roster.Answer, Optional[_Mapped]]:
-    """Listen, take part in the group's setup (:mod:`tdist_tcp.roster`) and make the
+    """Listen, take part in the group's setup (:mod:`tdist_tcp.net.roster`) and make the
     connections made at setup, within ``timeout`` seconds: the group's mesh, rank 0's
     answer, and rank 0's segment as mapped here when the group uses it (else None)."""
     deadline = time.monotonic() + timeout
@@ -208,8 +210,8 @@ def _open_hosts(
 
 def _every_host_ready(store: "Store", prefix: str, rank: int, layout: Layout, ready: bool, deadline: float) -> bool:
     """Whether every host has its segment (the same answer on every rank): each host's first
-    rank says whether its host's is up (:func:`~tdist_tcp.shm.open_shm`'s verdict is its
-    members' alike), rank 0 counts the hosts' words and answers for all (:mod:`tdist_tcp.tally`)."""
+    rank says whether its host's is up (:func:`~tdist_tcp.shared.shm.open_shm`'s verdict is its
+    members' alike), rank 0 counts the hosts' words and answers for all (:mod:`tdist_tcp.net.tally`)."""
     leaders = list(layout.leaders())
     keys = [prefix + str(r) for r in leaders]
     timeout = max(0.01, deadline - time.monotonic())

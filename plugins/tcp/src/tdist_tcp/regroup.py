@@ -12,7 +12,7 @@ survivors, the old group's layout and options), so they all reuse or none does:
 2. **Connections.** Each link to a survivor goes to the new transport, renumbered: this
    rank sends a MARK frame on it (after the rest of any frame cut short), the first
    frame of the new *epoch*; the peer's frames count for the new group only after the
-   peer's MARK (:mod:`tdist_tcp.links`), so a frame of the old group -- a collective step
+   peer's MARK (:mod:`tdist_tcp.net.links`), so a frame of the old group -- a collective step
    a survivor sent before the failure, stashed or still in the socket -- is dropped,
    never matched to the new group's operation with the same sequence number. A link to
    an excluded rank gets an ABORT ("excluded by shrink_group") and is closed: an excluded
@@ -24,7 +24,7 @@ survivors, the old group's layout and options), so they all reuse or none does:
    is refused, and a connection the new group makes lazily (a pair of survivors that
    was never connected, with ``connect`` = ``ring`` or ``lazy``) belongs to it alone. TLS
    links stay as they are, new ones use the same certificates.
-4. **Shared memory** (:meth:`tdist_tcp.shm.ShmEngine.successor`): the survivors on a host
+4. **Shared memory** (:meth:`tdist_tcp.shared.shm.ShmEngine.successor`): the survivors on a host
    keep their slots of the segment (control block and buffers), those of the lost ranks
    are never read again; the C part takes each member's slot. The new epoch starts
    with a fence in the segment (every survivor there publishes that it is out of the old
@@ -52,18 +52,18 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from tdist.plugin import DistBackendError
 
-from .auth import group_key
-from .connect import _Auth
-from .ioloop import io_loop
-from .links import Link, close_links, send_control
-from .mesh import Mesh
-from .topology import Layout
-from .transport import Transport
-from .wire import ABORT, pack_header
+from .protocol.auth import group_key
+from .net.connect import _Auth
+from .net.ioloop import io_loop
+from .net.links import Link, close_links, send_control
+from .net.mesh import Mesh
+from .shared.topology import Layout
+from .net.transport import Transport
+from .protocol.wire import ABORT, pack_header
 
 if TYPE_CHECKING:
     from .backend import TcpBackend
-    from .shm import ShmEngine
+    from .shared.shm import ShmEngine
 
 __all__ = ["shrink", "Successor", "forbid_reuse", "FORBID_KEY", "LOCAL_OPTIONS"]
 

@@ -1,11 +1,11 @@
 """The accepting side of a link: a group's listeners and the handshakes of the connections they accept.
 
-Served by the I/O loop (:mod:`tdist_tcp.ioloop`) for the group's lifetime: each listener
+Served by the I/O loop (:mod:`tdist_tcp.net.ioloop`) for the group's lifetime: each listener
 and each connection in its handshake is a loop handler, and the handshake is a
 non-blocking state machine (TLS first where configured, then HELLO, the proofs and the
-verdict; see :mod:`tdist_tcp.auth`), so a silent, slow or garbage connection is dropped
+verdict; see :mod:`tdist_tcp.protocol.auth`), so a silent, slow or garbage connection is dropped
 without delaying the others; each must complete within
-:data:`~tdist_tcp.connect.HANDSHAKE_LIMIT` seconds, and beyond :data:`MAX_PENDING`
+:data:`~tdist_tcp.net.connect.HANDSHAKE_LIMIT` seconds, and beyond :data:`MAX_PENDING`
 unfinished ones the oldest is dropped. A rank counts as connected only once it proved
 the group key. Whether to take a rank's connection at all is the owner's call
 (``admit``: not when already connected, nor when this lower rank is connecting to it:
@@ -21,8 +21,18 @@ from typing import Any, Callable, Optional
 
 from tdist.plugin import descriptor_shortage
 
-from . import tls as _tls
-from .auth import ACCEPTED, DUPLICATE, HELLO, MAC_SIZE, REFUSED, mac, make_hello, parse_hello, token_mismatch_hint
+from ..protocol import tls as _tls
+from ..protocol.auth import (
+    ACCEPTED,
+    DUPLICATE,
+    HELLO,
+    MAC_SIZE,
+    REFUSED,
+    mac,
+    make_hello,
+    parse_hello,
+    token_mismatch_hint,
+)
 from .connect import HANDSHAKE_LIMIT, configure_socket
 from .ioloop import AGAIN, WAIT, io_loop
 

@@ -1,5 +1,5 @@
 """Collectives of a group that spans several hosts: shared memory within a host, sockets
-between hosts (the group's :class:`~tdist_tcp.topology.Layout` says which is which).
+between hosts (the group's :class:`~tdist_tcp.shared.topology.Layout` says which is which).
 
 With ``L`` ranks on each of ``H`` hosts (a *uniform* layout), local rank ``l`` of every
 host forms *column* ``l`` with its counterparts on the other hosts, and the data is cut
@@ -25,7 +25,7 @@ bitwise identical. What is not here (all_gather and reduce_scatter of a non-unif
 layout, and the other collectives) runs the flat socket algorithms. Each collective's
 shared-memory phases post one and the same descriptor (so a fast rank's next phase never
 changes what a slow one is still checking), and each pair of ranks exchanges frames in
-one socket phase only (:class:`~tdist_tcp.algorithms.SubColl`).
+one socket phase only (:class:`~tdist_tcp.collectives.algorithms.SubColl`).
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from tdist.plugin import ReduceOp, Reduction
 
 from . import algorithms as algo
-from .topology import Layout
-from .wire import byte_view
+from ..shared.topology import Layout
+from ..protocol.wire import byte_view
 
 if TYPE_CHECKING:
     import torch
 
-    from .shm import ShmEngine
+    from ..shared.shm import ShmEngine
 
 __all__ = ["Hierarchy", "summing"]
 

@@ -1,7 +1,7 @@
 """The step protocol of a group's shared segment: control blocks, counters, descriptors,
 buffers, posting a step and waiting for the peers to post it.
 
-The segment (:mod:`tdist_tcp.segment` maps it; :func:`layout` places its parts) holds,
+The segment (:mod:`tdist_tcp.shared.segment` maps it; :func:`layout` places its parts) holds,
 per rank, a control block of :data:`CTRL` bytes (a step counter, a "sleeping" flag, its
 pid, the descriptors of its current collectives) and two data buffers of ``slot``
 bytes. A collective is a sequence of *steps*: a rank writes into its own buffer, bumps
@@ -9,7 +9,7 @@ its counter, waits until every peer's counter has reached the same value, then r
 what it needs from its peers' buffers. Consecutive rounds alternate between the two
 buffers, so a rank never overwrites data a peer may still be reading (a peer that has
 posted step k has finished reading round k - 1). A waiter spins or sleeps in
-``futex(2)`` on the peer's counter as :mod:`tdist_tcp.shmwait` decides; a poster wakes
+``futex(2)`` on the peer's counter as :mod:`tdist_tcp.shared.shmwait` decides; a poster wakes
 sleepers only when one has raised its flag.
 
 Every collective's first step publishes its descriptor (sequence number, operation,
@@ -29,7 +29,7 @@ takes a new step for its own), says so and waits until every member has (so no m
 takes another's old counter for a new step).
 
 The memory ordering relied upon (a counter's store seen after the data stores before
-it) is x86's, hence the x86-64 restriction. The C part (:mod:`tdist_tcp.native`,
+it) is x86's, hence the x86-64 restriction. The C part (:mod:`tdist_tcp.shared.native`,
 :attr:`ShmSteps.fast`) follows this protocol exactly and shares the counters.
 """
 
@@ -48,14 +48,14 @@ from tdist.plugin import DistBackendError, flag
 from . import native, segment, shmwait
 from .futex import futex_wait, futex_wake
 from .kernels import Kernel
-from .wire import describe
+from ..protocol.wire import describe
 
 if TYPE_CHECKING:
     import torch
     from tdist.plugin import Reduction
 
-    from .algorithms import Coll
-    from .transport import Transport
+    from ..collectives.algorithms import Coll
+    from ..net.transport import Transport
 
 __all__ = ["ShmSteps", "layout", "set_pid", "CTRL", "DESC", "DESC_AT", "DESC_STRIDE", "ALIGN"]
 
@@ -105,7 +105,7 @@ class _Counters:
 
 class ShmSteps:
     """One rank's view of a group's segment and the step protocol over it (one collective
-    at a time); :class:`tdist_tcp.shm.ShmEngine` runs the collectives on it."""
+    at a time); :class:`tdist_tcp.shared.shm.ShmEngine` runs the collectives on it."""
 
     def __init__(
         self,
@@ -158,12 +158,12 @@ class ShmSteps:
         self._last_kernel: tuple = (None, None, None)
         self._views: dict = {}
         self._arrays: dict = {}
-        #: how this rank waits for its peers (see tdist_tcp.shmwait)
+        #: how this rank waits for its peers (see tdist_tcp.shared.shmwait)
         self.policy = self._wait_policy(options.get("shm_spin_us"))
         self._runq = shmwait.run_queue()
         self._yield = flag("TDIST_TCP_SHM_YIELD", True)  # sched_yield now and then while spinning
         self.closed = False
-        #: the C part (see tdist_tcp.native): ``fast.run`` runs a one-step collective in one call
+        #: the C part (see tdist_tcp.shared.native): ``fast.run`` runs a one-step collective in one call
         #: (then :meth:`settle` unless it returned DONE); None: everything in Python
         self.fast: Any = None
         ext = native.native_module(options)

@@ -10,7 +10,7 @@ frame, answered with a STATE frame by the peer's I/O loop, so a busy or blocked 
 still answers; a peer never connected is connected to first) and names the ranks that
 had not reached it, or did not answer. Also the errors of mismatched frames and of a
 peer's ABORT frame (a timeout's verdict is raised as such). :class:`Verdicts` is a part of
-:class:`~tdist_tcp.transport.Transport`.
+:class:`~tdist_tcp.net.transport.Transport`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from tdist.plugin import DistBackendError, DistBackendTimeoutError
 
 from .links import Peer, PostedRecv, clip_reason, send_control, timeout_error
-from .wire import ABORT, PROBE, STATE, describe, dtype_name, pack_header
+from ..protocol.wire import ABORT, PROBE, STATE, describe, dtype_name, pack_header
 
 if TYPE_CHECKING:
-    from .algorithms import Coll
+    from ..collectives.algorithms import Coll
     from .mesh import Mesh
 
 __all__ = ["Verdicts"]

@@ -2,8 +2,8 @@
 
 Every rank listens (TCP, and a Unix-domain socket with an abstract name on Linux,
 :func:`open_listeners`) and says where in its record of the group's setup
-(:mod:`tdist_tcp.roster`). Its listeners are served by the I/O loop
-(:mod:`tdist_tcp.acceptor`) for the group's lifetime. Connections are made when first
+(:mod:`tdist_tcp.net.roster`). Its listeners are served by the I/O loop
+(:mod:`tdist_tcp.net.acceptor`) for the group's lifetime. Connections are made when first
 needed (:meth:`Mesh.connect`, called by the transport), and a peer's address is read
 from its record then, unless known already (:meth:`Mesh.address`): a rank reads only
 the addresses of the peers it connects to. The ``connect`` option says which are made
@@ -13,7 +13,7 @@ that the ranks agree on the token and TLS), ``lazy`` (none) or ``all`` (every pa
 old full mesh). At setup the higher rank of a pair connects and the lower one waits for it.
 
 Every connection (TCP or Unix-domain) is mutually authenticated before it carries a
-frame (see :mod:`tdist_tcp.auth`, :mod:`tdist_tcp.connect`). Everything at setup honours
+frame (see :mod:`tdist_tcp.protocol.auth`, :mod:`tdist_tcp.net.connect`). Everything at setup honours
 one deadline; on timeout the error names the missing ranks (and why connections claiming
 to be them were refused).
 """
@@ -36,9 +36,9 @@ from tdist.plugin import (
     store_endpoint,
 )
 
-from . import tls as _tls
+from ..protocol import tls as _tls
 from .acceptor import MAX_PENDING, Acceptor
-from .auth import MAX_STREAMS, group_key
+from ..protocol.auth import MAX_STREAMS, group_key
 from .connect import (
     DEFAULT_SOCKET_BUFFER,
     EXHAUSTED_KEY,
@@ -364,7 +364,7 @@ def _connect_one(
     tls: Optional[_tls.MeshTls] = None,
     streams: int = 1,
 ) -> Optional[list[Any]]:
-    """:func:`~tdist_tcp.connect.open_link` to ``peer`` with its address and the group nonce
+    """:func:`~tdist_tcp.net.connect.open_link` to ``peer`` with its address and the group nonce
     read from the records in ``store``, as a rank that did not join the group would (tests)."""
     nonce = first_record(store, rank, max(0.01, deadline - time.monotonic())).nonce
     auth = _Auth(nonce, group_key(secret, nonce), bool(secret))

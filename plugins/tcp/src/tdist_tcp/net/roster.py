@@ -2,17 +2,17 @@
 
 Every rank publishes one *record* under ``tcp/rank/<rank>`` in the group's store (already
 prefixed per group and backend): where it listens (TCP address, Unix-domain name), its
-host (:func:`tdist_tcp.topology.host_id`) and its answer to rank 0's offer of a shared
+host (:func:`tdist_tcp.shared.topology.host_id`) and its answer to rank 0's offer of a shared
 segment. Rank 0's record also carries the group nonce and that offer, so every other rank
 first reads rank 0's record (one blocking ``get``), maps the offered segment if it runs
 on rank 0's host, and then publishes its own. Rank 0 waits for every record (one
-``wait``, one ``multi_get``), derives the group's :class:`~tdist_tcp.topology.Layout`
+``wait``, one ``multi_get``), derives the group's :class:`~tdist_tcp.shared.topology.Layout`
 and whether every rank mapped the segment, and publishes that *answer* under
 ``tcp/setup``, which the others wait for (one blocking ``get``). So setting a group up
 costs every rank four store round trips and one wait for all ranks, whatever the
 group's size, and only rank 0 reads every record: the store serves O(N) bytes in all,
 not O(N²). A rank learns another rank's address when it first connects to it
-(:func:`lookup`, by :class:`tdist_tcp.mesh.Mesh`), at setup only its ring neighbours'.
+(:func:`lookup`, by :class:`tdist_tcp.net.mesh.Mesh`), at setup only its ring neighbours'.
 
 If some ranks never publish a record, rank 0's wait times out and its answer names them:
 every rank waiting for the answer raises the same error at once.
@@ -28,7 +28,7 @@ from tdist.plugin import DistBackendTimeoutError, DistError, DistNetworkError, D
 
 from . import tally
 from .connect import Address, format_addr, parse_addr
-from .topology import Layout
+from ..shared.topology import Layout
 
 __all__ = ["RECORD_KEY", "SETUP_KEY", "Record", "Answer", "publish", "first_record", "gather", "answer", "lookup"]
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from tdist.plugin import combine_
 
-from .transport import FrameTimeout, PostedRecv, Transport
-from .wire import COLL, OP_ACK, PART_FOLD, PART_UNFOLD, byte_view, pack_header
+from ..net.transport import FrameTimeout, PostedRecv, Transport
+from ..protocol.wire import COLL, OP_ACK, PART_FOLD, PART_UNFOLD, byte_view, pack_header
 
 if TYPE_CHECKING:
     import torch

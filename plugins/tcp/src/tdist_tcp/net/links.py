@@ -1,9 +1,9 @@
 """A peer's links and the frame reader each link runs inside the I/O loop.
 
 A :class:`Link` is one connection (stream) to a peer. Its reader is a state machine that
-the process's I/O loop (:mod:`tdist_tcp.ioloop`) drives whenever the socket is readable:
+the process's I/O loop (:mod:`tdist_tcp.net.ioloop`) drives whenever the socket is readable:
 it reads the frame header (buffered, with a little read-ahead), asks its owner (the
-:class:`~tdist_tcp.transport.Transport`) where the payload goes -- the posted receive's
+:class:`~tdist_tcp.net.transport.Transport`) where the payload goes -- the posted receive's
 own memory (zero copy), a fresh stash buffer, or nowhere -- and reads the payload there
 with non-blocking ``recv_into`` calls on the destination's memoryview slice, resuming where
 it stopped when the socket runs dry. It never blocks and reads at most
@@ -37,7 +37,20 @@ import numpy as np
 from tdist.plugin import WOULD_BLOCK, DistBackendTimeoutError
 
 from .ioloop import AGAIN, DONE, WAIT, io_loop
-from .wire import ABORT, BYE, COLL, FRAME_MAGIC, HEADER, MARK, OP_ACK, P2P, PROBE, STATE, pack_header, part_name
+from ..protocol.wire import (
+    ABORT,
+    BYE,
+    COLL,
+    FRAME_MAGIC,
+    HEADER,
+    MARK,
+    OP_ACK,
+    P2P,
+    PROBE,
+    STATE,
+    pack_header,
+    part_name,
+)
 
 if TYPE_CHECKING:
     from .transport import Transport

@@ -1,6 +1,6 @@
-/* tdist_tcp._shmfast: the shared-memory engine's small collectives in one C call.
+/* tdist_tcp.shared._shmfast: the shared-memory engine's small collectives in one C call.
  *
- * Optional: tdist_tcp.native loads it and the engine falls back to its Python steps
+ * Optional: tdist_tcp.shared.native loads it and the engine falls back to its Python steps
  * when it is missing or disabled ($TDIST_TCP_NATIVE=0). It follows the segment layout
  * and step protocol of tdist_tcp/shm.py exactly (the two can never be mixed within
  * one collective, but a group may mix ranks with and without it):
@@ -65,7 +65,7 @@ typedef struct {
     /* the pending collective (posted, waiting for its peers) */
     int kind, b, root, etype, eop;
     uint64_t seq;
-    /* the engine's counters (tdist_tcp.shm advances them too): steps posted, rounds begun */
+    /* the engine's counters (tdist_tcp.shared.shm advances them too): steps posted, rounds begun */
     unsigned int k;
     unsigned long long rounds;
     unsigned long long runs; /* collectives run() has started */
@@ -302,7 +302,7 @@ static int complete(Fast *f) {
 
 static int idle(Fast *f) {
     if (f->kind != K_NONE) {
-        PyErr_SetString(PyExc_RuntimeError, "tdist_tcp._shmfast: a collective is still pending");
+        PyErr_SetString(PyExc_RuntimeError, "tdist_tcp.shared._shmfast: a collective is still pending");
         return 0;
     }
     return 1;
@@ -314,7 +314,7 @@ PyDoc_STRVAR(run_doc,
              "through buffer rounds & 1, advancing rounds). kind: BARRIER, BROADCAST (nbytes at\n"
              "address from root) or REDUCE (nbytes at address := the reduction over ranks,\n"
              "everywhere when root < 0, else only on root; etype/eop: this module's element type\n"
-             "and operator codes, see tdist_tcp.native). seq, op, redop, dtype: the descriptor's\n"
+             "and operator codes, see tdist_tcp.shared.native). seq, op, redop, dtype: the descriptor's\n"
              "wire codes. Sizes are at most a buffer, and a reduction's at most what the caller\n"
              "reduces in one step.");
 
@@ -328,23 +328,23 @@ static PyObject *Fast_run(Fast *f, PyObject *const *args, Py_ssize_t nargs) {
         root = 0;
     } else if (kind == K_BROADCAST) {
         if (nbytes < 0 || nbytes > f->slot || root < 0 || root >= f->size) {
-            PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.run: bad broadcast size or root");
+            PyErr_SetString(PyExc_ValueError, "tdist_tcp.shared._shmfast.run: bad broadcast size or root");
             return NULL;
         }
     } else if (kind == K_REDUCE) {
         int es = element_size(etype), is_float = etype == T_F32 || etype == T_F64;
         if (!es || eop < O_SUM || eop > O_AVG || (eop == O_AVG && !is_float) ||
             (is_float && eop >= O_BAND && eop <= O_BXOR)) {
-            PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.run: unsupported element type or operator");
+            PyErr_SetString(PyExc_ValueError, "tdist_tcp.shared._shmfast.run: unsupported element type or operator");
             return NULL;
         }
         if (nbytes < 0 || nbytes > f->slot || nbytes % es || root >= f->size) {
-            PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.run: bad reduction size or root");
+            PyErr_SetString(PyExc_ValueError, "tdist_tcp.shared._shmfast.run: bad reduction size or root");
             return NULL;
         }
         if (root < 0) root = -1;
     } else {
-        PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.run: unknown kind");
+        PyErr_SetString(PyExc_ValueError, "tdist_tcp.shared._shmfast.run: unknown kind");
         return NULL;
     }
     f->kind = kind;
@@ -371,11 +371,11 @@ PyDoc_STRVAR(finish_doc,
 
 static PyObject *Fast_finish(Fast *f, PyObject *Py_UNUSED(ignored)) {
     if (f->kind == K_NONE) {
-        PyErr_SetString(PyExc_RuntimeError, "tdist_tcp._shmfast.finish: nothing is pending");
+        PyErr_SetString(PyExc_RuntimeError, "tdist_tcp.shared._shmfast.finish: nothing is pending");
         return NULL;
     }
     if (!all_reached(f, f->k)) {
-        PyErr_SetString(PyExc_RuntimeError, "tdist_tcp._shmfast.finish: a peer has not posted its step");
+        PyErr_SetString(PyExc_RuntimeError, "tdist_tcp.shared._shmfast.finish: a peer has not posted its step");
         return NULL;
     }
     return PyLong_FromLong(complete(f));
@@ -399,13 +399,13 @@ static int Fast_init(Fast *f, PyObject *args, PyObject *kwds) {
                                      &f->rank, &f->size, &spin_ns, &yield, &adaptive, &slots))
         return -1;
     if (!addr || f->size < 1 || f->size > 4096 || f->rank < 0 || f->rank >= f->size || f->slot < 0) {
-        PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.Fast: bad segment geometry");
+        PyErr_SetString(PyExc_ValueError, "tdist_tcp.shared._shmfast.Fast: bad segment geometry");
         return -1;
     }
     PyMem_Free(f->slots);
     f->slots = NULL;
     if (slots != Py_None) { /* a sequence of size distinct places, each below 4096 */
-        PyObject *seq = PySequence_Fast(slots, "tdist_tcp._shmfast.Fast: slots must be a sequence");
+        PyObject *seq = PySequence_Fast(slots, "tdist_tcp.shared._shmfast.Fast: slots must be a sequence");
         if (!seq) return -1;
         int ok = PySequence_Fast_GET_SIZE(seq) == f->size;
         f->slots = ok ? PyMem_New(int, f->size) : NULL;
@@ -419,7 +419,7 @@ static int Fast_init(Fast *f, PyObject *args, PyObject *kwds) {
         if (!ok || !f->slots) {
             PyMem_Free(f->slots);
             f->slots = NULL;
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "tdist_tcp._shmfast.Fast: bad slots");
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "tdist_tcp.shared._shmfast.Fast: bad slots");
             return -1;
         }
     }
@@ -457,7 +457,7 @@ static PyMemberDef Fast_members[] = {
 };
 
 static PyTypeObject FastType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdist_tcp._shmfast.Fast",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdist_tcp.shared._shmfast.Fast",
     .tp_basicsize = sizeof(Fast),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = PyDoc_STR("Fast(address, ctrl, data, slot, rank, size, spin_ns, yield_, adaptive=False, slots=None): one "
@@ -473,8 +473,8 @@ static PyTypeObject FastType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "tdist_tcp._shmfast",
-    .m_doc = "The shared-memory engine's one-step collectives in C (see tdist_tcp.native).",
+    .m_name = "tdist_tcp.shared._shmfast",
+    .m_doc = "The shared-memory engine's one-step collectives in C (see tdist_tcp.shared.native).",
     .m_size = -1,
 };
 

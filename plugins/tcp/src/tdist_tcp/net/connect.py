@@ -1,9 +1,9 @@
 """The connecting side of a link: open a connection to a peer and run the handshake.
 
-A rank connects to a peer when it first needs it (:meth:`tdist_tcp.transport.Transport.connect`,
+A rank connects to a peer when it first needs it (:meth:`tdist_tcp.net.transport.Transport.connect`,
 in the calling thread): a Unix-domain socket when the peer published one and runs on this
 host, else ``streams`` TCP connections (optionally TLS, this rank the client). Each is
-mutually authenticated (:mod:`tdist_tcp.auth`) before it carries a frame. The peer's
+mutually authenticated (:mod:`tdist_tcp.protocol.auth`) before it carries a frame. The peer's
 answer DUPLICATE means it keeps the connection it is opening to this rank at the same
 time (the lower rank's wins). Retries until the deadline; a failed proof, a TLS refusal
 or a shortage of file descriptors raises at once with the reason.
@@ -19,8 +19,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from tdist.plugin import DistNetworkError, DistStoreTimeoutError, descriptor_shortage
 
-from . import tls as _tls
-from .auth import (
+from ..protocol import tls as _tls
+from ..protocol.auth import (
     ACCEPTED,
     DUPLICATE,
     HELLO,

@@ -6,7 +6,7 @@ yes -- which the others wait for. The verdict is the same on every member.
 When some words never come, the counter publishes who is missing instead (which wakes
 the others at once) and every member raises the same timeout error naming them; a
 member that hears nothing names the members whose words are absent, or the counter.
-Used for the shared segment (:func:`tdist_tcp.shm.open_shm`: did every member map it?)
+Used for the shared segment (:func:`tdist_tcp.shared.shm.open_shm`: did every member map it?)
 and the hierarchy (does every host have its segment?).
 """
 

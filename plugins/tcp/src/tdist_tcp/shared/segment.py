@@ -14,7 +14,7 @@ there is nothing to unlink and nothing to reclaim after a crash.
 
 The header holds a magic string, the group nonce, the layout and
 ``HMAC(group key, "S" || header || name)``, so a rank maps only a segment created
-by a rank that knows the group's key (see :mod:`tdist_tcp.auth`).
+by a rank that knows the group's key (see :mod:`tdist_tcp.protocol.auth`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Optional
 
 from tdist.plugin import descriptor_shortage
 
-from .auth import MAC_SIZE, mac
+from ..protocol.auth import MAC_SIZE, mac
 
 __all__ = ["NAME_PREFIX", "layout", "create", "scope", "locator", "attach", "close_fd"]
 

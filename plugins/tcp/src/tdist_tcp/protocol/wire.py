@@ -48,12 +48,12 @@ __all__ = [
     "part_name",
 ]
 
-PROTOCOL_VERSION = 3  # 2: mutually authenticated handshake (tdist_tcp.auth); 3: streams in its flags
+PROTOCOL_VERSION = 3  # 2: mutually authenticated handshake (tdist_tcp.protocol.auth); 3: streams in its flags
 FRAME_MAGIC = 0x46544454  # b"TDTF" little endian
 #: magic, kind, op, redop, dtype, ndim, (3 pad), tag (P2P tag; for collectives the
 #: algorithm's part number: step << 32 | segment), seq, nbytes
 HEADER = struct.Struct("<IBBBBB3xqqQ")
-HELLO_MAGIC = b"TDISTTCP"  # starts every connection's handshake (tdist_tcp.auth.HELLO)
+HELLO_MAGIC = b"TDISTTCP"  # starts every connection's handshake (tdist_tcp.protocol.auth.HELLO)
 
 #: ABORT's payload is JSON: {"reason": str, "timeout": bool, "missing": [group ranks]};
 #: PROBE asks a peer which collective it has reached (``seq``: the probe's number) and

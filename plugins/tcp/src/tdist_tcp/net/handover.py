@@ -1,10 +1,10 @@
 """Handing a group's links to the group ``shrink_group`` makes of it (a part of
-:class:`~tdist_tcp.transport.Transport`; :mod:`tdist_tcp.regroup` runs the shrink).
+:class:`~tdist_tcp.net.transport.Transport`; :mod:`tdist_tcp.regroup` runs the shrink).
 
 The old transport *retires* (:meth:`Handover.retire`): its operations fail, it starts and
 accepts no connection, and it gives up its links, which the new transport *adopts*
 (:meth:`Handover.adopt`): it sends a MARK on each (the first frame of the link's new
-epoch, see :mod:`tdist_tcp.links`) and reads them from their next frame on. A connection
+epoch, see :mod:`tdist_tcp.net.links`) and reads them from their next frame on. A connection
 the old transport was still opening when it retired is handed over when it is made
 (:meth:`Handover._forward`): the peer accepted it before it retired, so it took it over too.
 """

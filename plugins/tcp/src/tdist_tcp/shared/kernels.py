@@ -109,7 +109,7 @@ class Kernel:
                 with np.errstate(all="ignore"):
                     _ufunc_reduce(self.ufunc, out, ins)
             return
-        from .algorithms import combine_serial, copy_serial
+        from ..collectives.algorithms import combine_serial, copy_serial
 
         copy_serial(out, ins[0])
         for x in ins[1:]:

@@ -1,7 +1,7 @@
 """Frames over a group's links: posted receives, stashes, failure, and connections made when first needed.
 
 Every link (connection to a peer) of every group of the process is read by the one I/O
-loop thread of :mod:`tdist_tcp.ioloop`: a link's reader (:class:`~tdist_tcp.links.Link`)
+loop thread of :mod:`tdist_tcp.net.ioloop`: a link's reader (:class:`~tdist_tcp.net.links.Link`)
 reads each frame's header and hands the payload to the receive posted for it, reading
 straight into the destination tensor (zero copy, non-blocking ``recv_into`` calls
 resumed whenever the socket has more); a frame nobody waits for yet goes into a freshly
@@ -13,7 +13,7 @@ while its peer's data comes in). Sends are made by the calling threads (blocking
 
 - Connections are made when first needed: the first frame to a peer, or the first
   collective receive posted from it, connects to it (:meth:`Transport.connect`, through
-  the group's :class:`~tdist_tcp.mesh.Mesh`), unless the peer connected first (its
+  the group's :class:`~tdist_tcp.net.mesh.Mesh`), unless the peer connected first (its
   connection is accepted by the listener, which the I/O loop serves for the group's
   lifetime). When both ends connect at once, the connection opened by the lower rank
   is kept: the higher rank's is refused with a DUPLICATE verdict and it waits for the
@@ -30,7 +30,7 @@ while its peer's data comes in). Sends are made by the calling threads (blocking
   group: every pending and later operation raises. A peer that said BYE (destroyed its
   group) only fails the operations that need it.
 - A collective that times out asks every peer which collective it has reached
-  (PROBE/STATE frames, answered by the peers' I/O loops; see :mod:`tdist_tcp.verdicts`)
+  (PROBE/STATE frames, answered by the peers' I/O loops; see :mod:`tdist_tcp.net.verdicts`)
   to name the ranks that did not arrive; the ABORT frames that break the group carry
   that verdict, so every rank raises the same :class:`DistBackendTimeoutError` naming them.
 """
@@ -60,10 +60,10 @@ from .links import (
 )
 from .handover import Handover
 from .verdicts import Verdicts
-from .wire import BYE, pack_header
+from ..protocol.wire import BYE, pack_header
 
 if TYPE_CHECKING:
-    from .algorithms import Coll
+    from ..collectives.algorithms import Coll
     from .mesh import Mesh
 
 __all__ = ["Transport", "PostedRecv", "FrameTimeout", "clip_reason", "ABORT_REASON_CHARS"]
@@ -88,7 +88,7 @@ class Transport(Handover, Verdicts):
         """``sockets``: connections already made, by peer; ``mesh``: makes the others when
         first needed (without one, a peer not in ``sockets`` cannot be reached); ``epoch``:
         how many shrinks made this group from the one built by the factory (see
-        :mod:`tdist_tcp.links`: the links' frames are this transport's in that epoch)."""
+        :mod:`tdist_tcp.net.links`: the links' frames are this transport's in that epoch)."""
         self.rank = rank
         self.size = size
         self.timeout = timeout

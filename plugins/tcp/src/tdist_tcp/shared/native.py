@@ -1,4 +1,4 @@
-"""The shared-memory engine's optional C part, :mod:`tdist_tcp._shmfast`.
+"""The shared-memory engine's optional C part, :mod:`tdist_tcp.shared._shmfast`.
 
 Built with the distribution when a C compiler is at hand (an optional extension: the
 install never fails for want of one). It runs a one-step collective -- barrier, a
@@ -7,7 +7,7 @@ descriptor, data, post, a bounded spin, descriptor check, copy or reduction. Whe
 spin runs out the call returns ``WAIT`` with the step posted, and the engine waits in
 Python as always (futex sleep, liveness, timeout) before ``finish()``. Everything else,
 and everything when the extension is missing or ``$TDIST_TCP_NATIVE=0`` (or the group
-option ``native=False``), runs in :mod:`tdist_tcp.shm`'s Python, which follows the same
+option ``native=False``), runs in :mod:`tdist_tcp.shared.shm`'s Python, which follows the same
 protocol step for step: ranks with and without it can share a group.
 
 Reductions done in C: float32/float64 with SUM, PRODUCT, MIN, MAX, AVG; int8, uint8,

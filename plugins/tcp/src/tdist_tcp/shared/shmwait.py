@@ -1,7 +1,7 @@
 """The shared-memory engine's waiting policy: when a waiting rank spins, and when it
 sleeps in ``futex(2)`` at once.
 
-A rank that has posted a step waits for its peers' counters (:mod:`tdist_tcp.shmstep`).
+A rank that has posted a step waits for its peers' counters (:mod:`tdist_tcp.shared.shmstep`).
 It can spin, re-reading them, or sleep until a poster wakes it. A spin answers within a
 microsecond, but it pays only while the peer being waited for runs on another CPU and
 nobody else wants the spinner's: with more runnable threads than CPUs, every microsecond
@@ -23,9 +23,9 @@ The policy (:func:`decide`), fixed when a group's segment is mapped:
   sleep as soon as they outnumber the host's online CPUs (another job, or the ranks' own
   threads).
 
-The C part (:mod:`tdist_tcp.native`) applies the same policy in its bounded spin. Since
+The C part (:mod:`tdist_tcp.shared.native`) applies the same policy in its bounded spin. Since
 every step of an oversubscribed group costs a sleep and a wake, such a group also takes
-fewer steps: :func:`tdist_tcp.shm.open_shm` gives it bigger buffers (4 MiB instead of 1 MiB
+fewer steps: :func:`tdist_tcp.shared.shm.open_shm` gives it bigger buffers (4 MiB instead of 1 MiB
 per rank, unless ``shm_slot_bytes`` says otherwise), so a large collective takes a
 quarter of the rounds.
 """

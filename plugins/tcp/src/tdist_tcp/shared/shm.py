@@ -1,8 +1,8 @@
 """Collectives through shared memory, for a group whose ranks all share one host.
 
-When a group is created, rank 0 creates one anonymous segment (:mod:`tdist_tcp.segment`:
+When a group is created, rank 0 creates one anonymous segment (:mod:`tdist_tcp.shared.segment`:
 a memory file that never has a name in ``/dev/shm``, authenticated with the group's
-key) and offers it in its record of the group's setup (:mod:`tdist_tcp.roster`,
+key) and offers it in its record of the group's setup (:mod:`tdist_tcp.net.roster`,
 :func:`make_offer`); the other ranks map it and check it (:func:`take_offer`) and say
 so in their records (:func:`open_shm` does the same through keys of its own, for one
 host's ranks of a group that spans several). Once every rank has answered, rank 0
@@ -15,12 +15,12 @@ through the sockets.
 
 The modules of the engine:
 
-- :mod:`tdist_tcp.shmstep`: the segment's layout (per rank a control block and two
+- :mod:`tdist_tcp.shared.shmstep`: the segment's layout (per rank a control block and two
   buffers) and the step protocol (post, wait, descriptor checks, liveness, timeouts);
-- :mod:`tdist_tcp.shmwait`: the waiting policy (spin or sleep at once, from the ranks on
+- :mod:`tdist_tcp.shared.shmwait`: the waiting policy (spin or sleep at once, from the ranks on
   the host against the CPUs they may use, and whether a CPU is free);
 - this module: setting the segment up and the collective algorithms on it;
-- :mod:`tdist_tcp.kernels` the reductions, :mod:`tdist_tcp.native` the optional C part.
+- :mod:`tdist_tcp.shared.kernels` the reductions, :mod:`tdist_tcp.shared.native` the optional C part.
 
 Algorithms (``p`` ranks, per-rank buffer ``S`` bytes):
 
@@ -41,7 +41,7 @@ dtypes numpy lacks (bfloat16, float8, complex32, ...).
 
 The small one-step collectives of a caller that waits (barrier, broadcast, all_reduce
 and reduce up to 64 KiB) run in one call into the optional C part instead
-(:mod:`tdist_tcp.native`: :attr:`ShmEngine.fast`), which follows the same protocol
+(:mod:`tdist_tcp.shared.native`: :attr:`ShmEngine.fast`), which follows the same protocol
 and shares the engine's counters; when its bounded spin runs out (or the policy says
 not to spin), :meth:`ShmEngine.settle` waits here, in Python, as every step does.
 """
@@ -67,18 +67,20 @@ from tdist.plugin import (
     flag,
 )
 
-from . import native, segment, shmwait, tally
+from . import native, segment, shmwait
+
+from ..net import tally
 from .shmstep import ALIGN as _ALIGN
 from .shmstep import ShmSteps, set_pid
 from .shmstep import layout as _layout
-from .wire import describe
+from ..protocol.wire import describe
 
 if TYPE_CHECKING:
     import torch
     from tdist.plugin import Reduction
 
-    from .algorithms import Coll
-    from .transport import Transport
+    from ..collectives.algorithms import Coll
+    from ..net.transport import Transport
 
 __all__ = ["ShmEngine", "Offer", "make_offer", "take_offer", "open_shm", "shm_enabled", "SHM_ENV", "DEFAULT_SLOT_BYTES"]
 
@@ -125,18 +127,18 @@ def open_shm(
     ``members``: the group ranks sharing the segment (one host's, for the hierarchical
     collectives), ``rank`` and ``size`` then being this rank's index among them and their
     number; None: the whole group (a group of one host too large for the offer in
-    :mod:`tdist_tcp.roster`). Keys live under the group's connection nonce (and the first
+    :mod:`tdist_tcp.net.roster`). Keys live under the group's connection nonce (and the first
     member), so a re-created group never reads a previous incarnation's. Member 0 offers
     a segment (:func:`make_offer`); every other member maps it (:func:`take_offer`) and
     answers ``ok`` or not; member 0 waits for every answer, holding its descriptor until
-    then, and publishes the verdict, which the others wait for (:mod:`tdist_tcp.tally`):
+    then, and publishes the verdict, which the others wait for (:mod:`tdist_tcp.net.tally`):
     the segment is used only if every member mapped it. Each member thus reads two keys
     and member 0 all answers.
     """
     deadline = time.monotonic() + timeout
     ranks = list(members) if members is not None else list(range(size))
     prefix = f"tcp/shm/{nonce.hex()}/" if members is None else f"tcp/shm/{nonce.hex()}/{ranks[0]}/"
-    keys = [prefix + f"ok/{r}" for r in range(1, size)]  # the members' answers (tdist_tcp.tally)
+    keys = [prefix + f"ok/{r}" for r in range(1, size)]  # the members' answers (tdist_tcp.net.tally)
 
     def no_answer(missing: list[int]) -> DistBackendTimeoutError:
         return DistBackendTimeoutError(
@@ -176,7 +178,7 @@ def open_shm(
 class Offer(NamedTuple):
     """Member 0's new segment: ``text`` tells the others where it is, its buffer size and
     one-step threshold (``locator|slot|direct``); member 0 holds its descriptor ``fd``
-    until every member answered, then closes it (:func:`tdist_tcp.segment.close_fd`)."""
+    until every member answered, then closes it (:func:`tdist_tcp.shared.segment.close_fd`)."""
 
     text: str
     fd: int
@@ -189,7 +191,7 @@ def make_offer(size: int, options: Mapping[str, Any], nonce: bytes, key: bytes, 
     """Member 0's segment for ``size`` members (None when this rank does not offer shared
     memory, or has no descriptor left: ``label`` is its rank in the warning). Member 0's
     buffer size and one-step threshold are everybody's; its default buffer is bigger when
-    the members outnumber the CPUs it may use (:func:`tdist_tcp.shmwait.oversubscribed`)."""
+    the members outnumber the CPUs it may use (:func:`tdist_tcp.shared.shmwait.oversubscribed`)."""
     if not shm_enabled(options):
         return None
     default_slot = DEFAULT_SLOT_BYTES
@@ -260,7 +262,7 @@ class ShmEngine(ShmSteps):
     ) -> None:
         """``direct_bytes`` (member 0's, the same everywhere): the largest one-step all_reduce;
         ``ranks``: the group ranks of the members (None: the whole group); ``slots`` and
-        ``places``: see :class:`~tdist_tcp.shmstep.ShmSteps`."""
+        ``places``: see :class:`~tdist_tcp.shared.shmstep.ShmSteps`."""
         super().__init__(mm, rank, size, slot, transport, options, ranks, slots, places)
         # the one-step all_reduce reads p times the data: worth it while that stays small
         if direct_bytes is None:
@@ -392,7 +394,7 @@ class ShmEngine(ShmSteps):
     def _finalize(self, t: "torch.Tensor", op: "Reduction") -> None:
         from tdist.plugin import finalize_
 
-        from .algorithms import serially
+        from ..collectives.algorithms import serially
 
         serially(lambda piece: finalize_(piece, op, self.p), t)
 
@@ -469,7 +471,7 @@ class ShmEngine(ShmSteps):
         and contiguous; PREMUL_SUM is applied here, to copies, never to ``ins``)."""
         from tdist.plugin import prescale_
 
-        from .algorithms import serially
+        from ..collectives.algorithms import serially
 
         r = self.r
         es = out.element_size()

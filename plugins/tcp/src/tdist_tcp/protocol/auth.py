@@ -16,7 +16,7 @@ Handshake on every connection (TCP and Unix-domain alike), connector C to accept
 3. C -> A: ``HMAC(group key, "C" || hello_C || hello_A)``;
 4. A -> C: one byte, :data:`ACCEPTED`, :data:`REFUSED` or :data:`DUPLICATE` (the proof is
    good but A keeps the connection it is opening to C itself: A is the lower rank, see
-   :mod:`tdist_tcp.transport`; C then waits for that one).
+   :mod:`tdist_tcp.net.transport`; C then waits for that one).
 
 Each side proves it knows the group key over the other side's fresh nonce, so a
 recorded handshake cannot be replayed and neither side can be impersonated by

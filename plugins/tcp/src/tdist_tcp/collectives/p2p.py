@@ -17,8 +17,8 @@ from tdist.plugin import DistBackendError, DistBackendTimeoutError, Work
 from .lanes import Lane, TcpWork
 from .tensors import output as _output
 from .tensors import source as _source
-from .transport import PostedRecv, Transport
-from .wire import OP_CODES, P2P, byte_view, dtype_code, pack_header
+from ..net.transport import PostedRecv, Transport
+from ..protocol.wire import OP_CODES, P2P, byte_view, dtype_code, pack_header
 
 if TYPE_CHECKING:
     import torch

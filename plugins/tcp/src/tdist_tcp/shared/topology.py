@@ -1,6 +1,6 @@
 """Which ranks of a group share a host: the layout the hierarchical collectives follow.
 
-A *host* here is a shared-memory scope (:func:`tdist_tcp.segment.scope`: the kernel's
+A *host* here is a shared-memory scope (:func:`tdist_tcp.shared.segment.scope`: the kernel's
 boot id and the IPC namespace), the set of processes that can share a segment, or
 what the options say instead: ``ranks_per_host`` / ``$TDIST_TCP_RANKS_PER_HOST`` (every
 N consecutive ranks of the group are one host) or ``host_id`` / ``$TDIST_TCP_HOST_ID``
@@ -8,7 +8,7 @@ N consecutive ranks of the group are one host) or ``host_id`` / ``$TDIST_TCP_HOS
 split a big machine into several "hosts". A "host" that is not one shared-memory scope
 gets no segment, and the whole group then runs the flat algorithms. Every rank publishes
 its host in its record of the group's setup; rank 0 derives the layout from every record
-and hands it to all (:mod:`tdist_tcp.roster`), so all ranks use the same layout.
+and hands it to all (:mod:`tdist_tcp.net.roster`), so all ranks use the same layout.
 """
 
 from __future__ import annotations
