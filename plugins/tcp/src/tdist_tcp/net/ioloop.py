@@ -18,6 +18,7 @@ many peers or groups there are.
 
 from __future__ import annotations
 
+import select
 import selectors
 import socket
 import threading
@@ -45,15 +46,71 @@ class _Op:
         self.done = threading.Event()
 
 
+class _Poller:
+    """Which registered sockets are readable, as their handlers: ``epoll`` itself where the
+    platform has it (the fewest steps between a wake-up and the handler), else the
+    :mod:`selectors` module. Used by the loop's thread only."""
+
+    def __init__(self) -> None:
+        self._epoll: Any = select.epoll() if hasattr(select, "epoll") else None
+        self._selector: Any = None if self._epoll is not None else selectors.DefaultSelector()
+        self._fd: dict[Any, int] = {}  # socket -> its descriptor when registered (epoll)
+        self._data: dict[int, tuple[Any, Any]] = {}  # descriptor -> (socket, handler) (epoll)
+
+    def add(self, sock: Any, data: Any) -> None:
+        """Watch ``sock`` for reading, reporting ``data``; a socket watched already reports
+        ``data`` from now on."""
+        if self._epoll is None:
+            if sock in self._selector.get_map():
+                self._selector.modify(sock, selectors.EVENT_READ, data)
+            else:
+                self._selector.register(sock, selectors.EVENT_READ, data)
+            return
+        fd = self._fd.get(sock)
+        if fd is None:
+            fd = sock.fileno()
+            stale = self._data.get(fd)
+            if stale is not None:  # a socket closed without being removed had this number
+                self._fd.pop(stale[0], None)
+            try:
+                self._epoll.register(fd, select.EPOLLIN)
+            except FileExistsError:
+                self._epoll.modify(fd, select.EPOLLIN)
+            self._fd[sock] = fd
+        self._data[fd] = (sock, data)
+
+    def remove(self, sock: Any) -> None:
+        if self._epoll is None:
+            self._selector.unregister(sock)
+            return
+        fd = self._fd.pop(sock)
+        if self._data.get(fd, (None,))[0] is sock:
+            del self._data[fd]
+            try:
+                self._epoll.unregister(fd)
+            except OSError:  # closed meanwhile: the kernel dropped it already
+                pass
+
+    def poll(self, timeout: float) -> list[Any]:
+        """The data of the sockets readable now, waiting up to ``timeout`` seconds for one."""
+        if self._epoll is None:
+            return [key.data for key, _ in self._selector.select(timeout)]
+        data = self._data
+        return [data[fd][1] for fd, _ in self._epoll.poll(timeout, len(data) or 1) if fd in data]
+
+    def close(self) -> None:
+        (self._epoll or self._selector).close()
+
+
 class IOLoop:
-    """One selector and one thread serving every registered socket (see the module)."""
+    """One poller and one thread serving every registered socket (see the module)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ops: deque[_Op] = deque()
         self._thread: Optional[threading.Thread] = None
         self._wake_w: Optional[socket.socket] = None
-        self._sel: Any = None  # the running thread's selector and handlers (touched by it only)
+        self._sel: Optional[_Poller] = None  # the running thread's poller and handlers (touched by it only)
         self._handlers: dict[Any, Any] = {}
         self._again: list[Any] = []  # handlers to call without waiting for their socket
 
@@ -116,8 +173,8 @@ class IOLoop:
 
     # ------------------------------------------------------------ the thread
     def _run(self, wake_r: socket.socket) -> None:
-        sel = self._sel = selectors.DefaultSelector()
-        sel.register(wake_r, selectors.EVENT_READ, None)
+        sel = self._sel = _Poller()
+        sel.add(wake_r, None)
         handlers = self._handlers
         wake_w = None
         last_tick = time.monotonic()
@@ -132,18 +189,18 @@ class IOLoop:
                         break
                 for op in ops:
                     self._apply(op)
-                ready = sel.select(0 if self._again else TICK)
+                ready = sel.poll(0 if self._again else TICK)
                 run: list[Any] = self._again
                 self._again = []
-                for key, _ in ready:
-                    if key.data is None:  # the wake-up pair
+                for handler in ready:
+                    if handler is None:  # the wake-up pair
                         try:
                             while wake_r.recv(4096):
                                 pass
                         except OSError:
                             pass
-                    elif key.data not in run:
-                        run.append(key.data)  # (the wake-up pair's data is None: the others' a handler)
+                    elif handler not in run:
+                        run.append(handler)
                 for handler in run:
                     sock = handler.sock
                     if sock not in handlers or handlers[sock] is not handler:
@@ -180,15 +237,12 @@ class IOLoop:
         sock, sel, handlers = op.sock, self._sel, self._handlers
         try:
             if op.add:
-                if sock in handlers:
-                    sel.modify(sock, selectors.EVENT_READ, op.handler)
-                else:
-                    sel.register(sock, selectors.EVENT_READ, op.handler)
+                sel.add(sock, op.handler)
                 handlers[sock] = op.handler
                 self._again.append(op.handler)
             elif sock in handlers:
                 del handlers[sock]
-                sel.unregister(sock)
+                sel.remove(sock)
         except (OSError, ValueError, KeyError):  # closed meanwhile
             handlers.pop(sock, None)
         finally:

@@ -209,6 +209,7 @@ class Link:
         "_got",
         "_nbytes",
         "_recv",
+        "_plain",
     )
 
     def __init__(self, index: int, sock: Any, peer: "Peer", owner: "Transport") -> None:
@@ -237,6 +238,10 @@ class Link:
         self._got = self._nbytes = 0
         nowait = getattr(sock, "recv_nowait", None)  # a TlsStream
         self._recv: Callable[[Any, int], int] = nowait or (lambda view, n: sock.recv_into(view, n, _DONTWAIT))
+        # a plain socket has nothing buffered above the kernel: once the buffer is drained,
+        # the loop's (level-triggered) poll says when there is more (a TLS stream may hold
+        # decrypted bytes that no poll sees: it is read until it says it is dry)
+        self._plain = nowait is None
 
     # ---------------------------------------------------------------- reading
     def on_readable(self) -> int:
@@ -396,6 +401,11 @@ class Link:
                 self.said_bye = True
             if budget <= 0:
                 return AGAIN
+            if self._plain and self._start == self._end:
+                # drained: back to the poll at once rather than a read that finds nothing --
+                # the fewer steps between waking a waiter and this thread's wait, the less
+                # the waiter waits for the interpreter lock this thread holds
+                return WAIT
 
 
 class Peer:
