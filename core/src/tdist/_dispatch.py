@@ -84,6 +84,9 @@ class StagedWork(Work):
         self._adopt(self._inner)
         return True
 
+    def _expedite(self) -> None:
+        self._inner._expedite()
+
     def _watch(self) -> None:
         with self._adopt_lock:
             if self._watching:

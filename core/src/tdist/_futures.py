@@ -37,4 +37,6 @@ def future_of(work: Work, outputs: Callable[[], list[Any]]) -> Any:
 
     future = signal.then(_result)
     work.add_done_callback(lambda _done: signal.set_result(None))
+    if not work.is_completed():
+        work._expedite()  # nobody may ever call its wait(): start it if it waits for a waiter
     return future

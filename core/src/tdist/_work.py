@@ -4,7 +4,7 @@ Backends create a :class:`Work`, return it at once and later call
 :meth:`Work.set_result` or :meth:`Work.set_exception` from any thread.
 
 A backend whose library has its own request objects (MPI, gloo, CUDA events)
-subclasses :class:`Work` as a template and implements at most four hooks:
+subclasses :class:`Work` as a template and implements at most five hooks:
 
 - :meth:`Work._poll`: without blocking, whether the operation has finished (completing
   the Work when it has);
@@ -12,7 +12,9 @@ subclasses :class:`Work` as a template and implements at most four hooks:
 - :meth:`Work._watch`: a done-callback waits on a pending Work: make sure something
   notices completion (a poller thread) when nothing else would;
 - :meth:`Work._expire`: the group's timeout passed in ``wait()``: give the operation up
-  (fail the Work) or leave it pending.
+  (fail the Work) or leave it pending;
+- :meth:`Work._expedite`: someone waits for the pending Work through its future, not
+  ``wait()``: start an operation that was left for its waiter to run.
 
 ``wait``, ``is_completed``, callbacks and futures are the base class's. A done-callback
 (a work hook, a future) that raises is logged and ignored: it never reaches the
@@ -159,6 +161,12 @@ class Work:
         True; the default returns False: ``wait`` raises a local timeout and the operation
         stays pending."""
         return False
+
+    def _expedite(self) -> None:
+        """Someone waits for this pending Work without calling :meth:`wait` -- through its
+        future (:meth:`get_future`; torch's DDP does, for every bucket) -- so no waiter will
+        run it: a backend that leaves a queued operation for the thread that waits on it
+        (to save a thread hand-off) starts it now. The default does nothing."""
 
     # ----------------------------------------------------------------- consumers
     def wait(self, timeout: Timeout = None) -> bool:

@@ -211,6 +211,23 @@ def test_lane_runs_job_in_the_waiting_thread():
     lane.close()
 
 
+def test_lane_starts_a_job_waited_for_through_its_future_at_once():
+    """A Work waited for through its future (torch's DDP waits for every bucket so) has no
+    waiter to run it inline: the worker starts it (and the jobs queued before it) without
+    the grace period, here 60 s, which the future would otherwise wait out."""
+    lane = Lane("test-lane", grace=60.0, inline_limit=1.0)
+    try:
+        ran_in = []
+        first, second = TcpWork("first", 10.0), TcpWork("second", 10.0)
+        lane.submit(lambda: ran_in.append(threading.current_thread()) or [1], first)
+        lane.submit(lambda: ran_in.append(threading.current_thread()) or [2], second)
+        assert second.get_future().wait() == [2]
+        assert first.is_completed() and first.result() == [1]
+        assert ran_in == [lane.thread(), lane.thread()]  # the worker's, not this thread
+    finally:
+        lane.close()
+
+
 def test_lane_worker_runs_unclaimed_job_after_grace_in_order():
     lane = Lane("test-lane", grace=0.01, inline_limit=1.0)
     order = []

@@ -68,9 +68,23 @@ class BridgeWork(torch_dist._Work):
         return f"<BridgeWork {self.tdist_work!r}>"
 
 
+class _AllOf(Work):
+    """A Work that completes when its ``parts`` all have (see :func:`all_of`)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, op: str, parts: Sequence[Work]) -> None:
+        super().__init__(op)
+        self.parts = list(parts)
+
+    def _expedite(self) -> None:
+        for part in self.parts:
+            part._expedite()
+
+
 def all_of(works: Sequence[Work], op: str) -> Work:
     """One tdist Work that completes when every one of ``works`` has (with the first error)."""
-    combined = Work(op)
+    combined = _AllOf(op, works)
     if not works:
         combined.set_result(())
         return combined

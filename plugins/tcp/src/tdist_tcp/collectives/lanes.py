@@ -10,6 +10,8 @@ run one at a time, in the order they were queued; a caller that runs a job itsel
 (:meth:`Lane.claim`, the tcp backend's quick collectives) takes the lane only when
 nothing runs or waits in it.
 
+A Work waited for through its future instead (``get_future``: torch's DDP does, for
+every bucket) has no waiter to run it: the worker starts it at once (:meth:`Lane.hurry`).
 A Work is completed (its done-callbacks run) after its job has given the lane up. A
 callback may queue more work on the same lane and wait for it (torch runs a Future's
 ``then`` callbacks in the completing thread; DDP's PowerSGD hook all-reduces inside
@@ -116,6 +118,12 @@ class TcpWork(Work):
             except Exception:
                 pass
 
+    def _expedite(self) -> None:
+        """Waited for through its future (DDP's buckets): no waiter will run it inline, so
+        the lane's worker starts it (and whatever is queued before it) without the grace."""
+        if self._lane is not None and not self.started and not self._done:
+            self._lane.hurry()
+
     def _block(self, timeout: Optional[float]) -> bool:
         job = self._job
         if job is not None and not job.started and not self._done:
@@ -176,6 +184,15 @@ class Lane:
                 self._asleep = False
                 self._thread.start()
             elif self._asleep or eager:
+                self._asleep = False
+                self._cv.notify()
+
+    def hurry(self) -> None:
+        """Have the worker run what is queued now, without the grace period (a job is
+        waited for by a future, not by a caller that would run it)."""
+        with self._cv:
+            if self._queue and self._closed is None:
+                self._urgent = True
                 self._asleep = False
                 self._cv.notify()
 
