@@ -235,6 +235,7 @@ class IOLoop:
     def _apply(self, op: _Op) -> None:
         """Do a queued (un)registration (in the loop's thread)."""
         sock, sel, handlers = op.sock, self._sel, self._handlers
+        assert sel is not None  # (only the running loop's thread applies operations)
         try:
             if op.add:
                 sel.add(sock, op.handler)
