@@ -47,56 +47,54 @@ class _Op:
 
 
 class _Poller:
-    """Which registered sockets are readable, as their handlers: ``epoll`` itself where the
-    platform has it (the fewest steps between a wake-up and the handler), else the
-    :mod:`selectors` module. Used by the loop's thread only."""
+    """Which registered sockets are readable: ``epoll`` itself where the platform has it
+    (the fewest steps between a wake-up and the handler), else the :mod:`selectors`
+    module. It knows sockets only; their handlers are the loop's. Used by the loop's
+    thread only."""
 
     def __init__(self) -> None:
         self._epoll: Any = select.epoll() if hasattr(select, "epoll") else None
         self._selector: Any = None if self._epoll is not None else selectors.DefaultSelector()
-        self._fd: dict[Any, int] = {}  # socket -> its descriptor when registered (epoll)
-        self._data: dict[int, tuple[Any, Any]] = {}  # descriptor -> (socket, handler) (epoll)
+        self._fd: dict[Any, int] = {}  # socket -> its descriptor when it was added (epoll)
+        self._socks: dict[int, Any] = {}  # descriptor -> the socket added with it (epoll)
 
-    def add(self, sock: Any, data: Any) -> None:
-        """Watch ``sock`` for reading, reporting ``data``; a socket watched already reports
-        ``data`` from now on."""
+    def add(self, sock: Any) -> None:
+        """Watch ``sock`` for reading (a socket watched already stays as it is)."""
         if self._epoll is None:
-            if sock in self._selector.get_map():
-                self._selector.modify(sock, selectors.EVENT_READ, data)
-            else:
-                self._selector.register(sock, selectors.EVENT_READ, data)
+            if sock not in self._selector.get_map():
+                self._selector.register(sock, selectors.EVENT_READ)
             return
-        fd = self._fd.get(sock)
-        if fd is None:
-            fd = sock.fileno()
-            stale = self._data.get(fd)
-            if stale is not None:  # a socket closed without being removed had this number
-                self._fd.pop(stale[0], None)
-            try:
-                self._epoll.register(fd, select.EPOLLIN)
-            except FileExistsError:
-                self._epoll.modify(fd, select.EPOLLIN)
-            self._fd[sock] = fd
-        self._data[fd] = (sock, data)
+        if sock in self._fd:
+            return
+        fd = sock.fileno()
+        stale = self._socks.get(fd)
+        if stale is not None:  # a socket closed without being removed had this number
+            self._fd.pop(stale, None)
+        try:
+            self._epoll.register(fd, select.EPOLLIN)
+        except FileExistsError:
+            self._epoll.modify(fd, select.EPOLLIN)
+        self._fd[sock] = fd
+        self._socks[fd] = sock
 
     def remove(self, sock: Any) -> None:
         if self._epoll is None:
             self._selector.unregister(sock)
             return
         fd = self._fd.pop(sock)
-        if self._data.get(fd, (None,))[0] is sock:
-            del self._data[fd]
+        if self._socks.get(fd) is sock:
+            del self._socks[fd]
             try:
                 self._epoll.unregister(fd)
             except OSError:  # closed meanwhile: the kernel dropped it already
                 pass
 
     def poll(self, timeout: float) -> list[Any]:
-        """The data of the sockets readable now, waiting up to ``timeout`` seconds for one."""
+        """The sockets readable now, waiting up to ``timeout`` seconds for one."""
         if self._epoll is None:
-            return [key.data for key, _ in self._selector.select(timeout)]
-        data = self._data
-        return [data[fd][1] for fd, _ in self._epoll.poll(timeout, len(data) or 1) if fd in data]
+            return [key.fileobj for key, _ in self._selector.select(timeout)]
+        socks = self._socks
+        return [socks[fd] for fd, _ in self._epoll.poll(timeout, len(socks) or 1) if fd in socks]
 
     def close(self) -> None:
         (self._epoll or self._selector).close()
@@ -174,7 +172,7 @@ class IOLoop:
     # ------------------------------------------------------------ the thread
     def _run(self, wake_r: socket.socket) -> None:
         sel = self._sel = _Poller()
-        sel.add(wake_r, None)
+        sel.add(wake_r)
         handlers = self._handlers
         wake_w = None
         last_tick = time.monotonic()
@@ -192,14 +190,16 @@ class IOLoop:
                 ready = sel.poll(0 if self._again else TICK)
                 run: list[Any] = self._again
                 self._again = []
-                for handler in ready:
-                    if handler is None:  # the wake-up pair
+                for sock in ready:
+                    if sock is wake_r:
                         try:
                             while wake_r.recv(4096):
                                 pass
                         except OSError:
                             pass
-                    elif handler not in run:
+                        continue
+                    handler = handlers.get(sock)
+                    if handler is not None and handler not in run:
                         run.append(handler)
                 for handler in run:
                     sock = handler.sock
@@ -238,7 +238,7 @@ class IOLoop:
         assert sel is not None  # (only the running loop's thread applies operations)
         try:
             if op.add:
-                sel.add(sock, op.handler)
+                sel.add(sock)
                 handlers[sock] = op.handler
                 self._again.append(op.handler)
             elif sock in handlers:
