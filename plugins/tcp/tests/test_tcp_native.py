@@ -206,6 +206,77 @@ def test_bad_arguments_are_refused_before_anything_is_posted():
         seg.close()
 
 
+def _inputs(dtype: torch.dtype, p: int, n: int) -> list[torch.Tensor]:
+    """``p`` operands of ``n`` elements with the telling values of :func:`_operands` mixed in."""
+    g = torch.Generator().manual_seed(p * 1000 + n)
+    special = _operands(dtype)
+    out = []
+    for q in range(p):
+        if dtype.is_floating_point:
+            t = (torch.randn(n, generator=g, dtype=torch.float64) * 100).to(dtype)
+        else:
+            info = torch.iinfo(dtype)
+            t = torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(dtype)
+        t[: special[0].numel()] = special[q % 2]
+        out.append(t)
+    return out
+
+
+@needs_c
+@pytest.mark.parametrize("p", [1, 3, 5])
+@pytest.mark.parametrize(
+    "dtype,op",
+    [(d, o) for d in FLOATS for o in FLOAT_OPS] + [(torch.int8, o) for o in INT_OPS] + [(torch.int64, ReduceOp.SUM)],
+    ids=lambda v: str(v).replace("torch.", "").replace("ReduceOp.", ""),
+)
+def test_combine_reduces_any_number_of_inputs_in_rank_order_bit_for_bit(dtype, op, p):
+    """``combine``, the large all_reduce's reduction: over several cache tiles and a ragged
+    end, ``out`` = in0 op in1 op ... in that order, the same bits as reducing pair by pair
+    (the Python steps' order), ``also`` a copy of it, and the inputs untouched; ``also`` may
+    be one of the inputs."""
+    n = 3 * 4096 + 7
+    ins = _inputs(dtype, p, n)
+    before = [_bits(t) for t in ins]
+    want = ins[0].clone()
+    for t in ins[1:]:
+        want = _reference(want, t, op if op is not ReduceOp.AVG else ReduceOp.SUM)
+    if op is ReduceOp.AVG:
+        want = want / p
+    out, also = torch.empty_like(ins[0]), torch.empty_like(ins[0])
+    etype = native.element_type(dtype)
+    FAST.combine(
+        etype, native.operator(Reduction(op), etype), n, out.data_ptr(), also.data_ptr(), *(t.data_ptr() for t in ins)
+    )  # type: ignore[union-attr]
+    assert _bits(out) == _bits(want) and _bits(also) == _bits(want)
+    assert [_bits(t) for t in ins] == before
+    mine = ins[p // 2]  # also may be an input: the rank's own tensor, overwritten with the result
+    FAST.combine(
+        etype, native.operator(Reduction(op), etype), n, out.data_ptr(), mine.data_ptr(), *(t.data_ptr() for t in ins)
+    )  # type: ignore[union-attr]
+    assert _bits(mine) == _bits(want)
+    FAST.combine(etype, native.operator(Reduction(op), etype), 0, out.data_ptr(), 0, ins[0].data_ptr())  # type: ignore[union-attr]
+
+
+@needs_c
+def test_combine_refuses_bad_arguments():
+    t = torch.zeros(4)
+    a = t.data_ptr()
+    bad = [
+        ((1, 1, 4, a, 0), TypeError),  # no input
+        ((1, 1, 4, a, 0) + (a,) * 4097, TypeError),  # more inputs than a segment has ranks
+        ((1, 5, 4, a, 0, a), ValueError),  # BAND on floats
+        ((6, 8, 4, a, 0, a), ValueError),  # AVG on integers
+        ((99, 1, 4, a, 0, a), ValueError),  # unknown element type
+        ((1, 1, -1, a, 0, a), ValueError),  # negative size
+        ((1, 1, 4, 0, 0, a), ValueError),  # no output
+        ((1, 1, 4, a, 0, a, 0), ValueError),  # an input at address 0
+        ((1, 1, 4, a, 0, "x"), TypeError),
+    ]
+    for args, error in bad:
+        with pytest.raises(error):
+            FAST.combine(*args)  # type: ignore[union-attr]
+
+
 def test_codes_cover_what_the_c_part_reduces_and_nothing_else():
     assert [native.element_type(d) for d in FLOATS + INTS] == [1, 2, 3, 4, 5, 6, 7]
     for dtype in (torch.float16, torch.bfloat16, torch.complex64, torch.bool):

@@ -47,6 +47,9 @@
 #define HALF 0x80000000u
 #define GIL_SPIN_NS 10000 /* spin this long holding the GIL, the rest of the spin without it */
 #define CHECK_NS 20000    /* an adaptive spin checks this often that a CPU is still free */
+#define TILE_BYTES 4096   /* a reduction's tile: p of them and the result fit the L1 cache */
+#define NOGIL_BYTES (64 << 10) /* combine() releases the GIL for reductions this large */
+#define MAX_INPUTS 4096 /* combine()'s inputs at most: a segment's ranks at most (see Fast) */
 
 enum { DONE = 0, WAIT = 1, MISMATCH = 2 };
 enum { K_NONE = 0, K_BARRIER, K_BROADCAST, K_REDUCE };
@@ -204,14 +207,23 @@ static int descs_agree(Fast *f) {
 #define MIN_OF(a, b) (((a) < (b) || (a) != (a)) ? (a) : (b))
 #define MAX_OF(a, b) (((a) > (b) || (a) != (a)) ? (a) : (b))
 
-/* out := in0 op in1 op ... in rank order (every rank computes the same bits) */
+/* out := in0 op in1 op ... in rank order (every rank computes the same bits); out overlaps
+ * none of the inputs */
 #define ARITH(T, EXPR)                                                     \
     do {                                                                   \
-        T *o_ = (T *)out;                                                  \
-        const T *a0_ = (const T *)ins[0];                                  \
-        for (Py_ssize_t i = 0; i < n; i++) o_[i] = a0_[i];                 \
-        for (int q = 1; q < p; q++) {                                      \
-            const T *x_ = (const T *)ins[q];                               \
+        T *restrict o_ = (T *)out;                                         \
+        const T *restrict a0_ = (const T *)ins[0];                         \
+        if (p == 1) {                                                      \
+            memcpy(o_, a0_, n * sizeof(T));                                \
+            break;                                                         \
+        }                                                                  \
+        const T *restrict a1_ = (const T *)ins[1];                         \
+        for (Py_ssize_t i = 0; i < n; i++) {                               \
+            T a = a0_[i], b = a1_[i];                                      \
+            o_[i] = (EXPR);                                                \
+        }                                                                  \
+        for (int q = 2; q < p; q++) {                                      \
+            const T *restrict x_ = (const T *)ins[q];                      \
             for (Py_ssize_t i = 0; i < n; i++) {                           \
                 T a = o_[i], b = x_[i];                                    \
                 o_[i] = (EXPR);                                            \
@@ -270,6 +282,27 @@ static int element_size(int etype) {
     return 0;
 }
 
+/* Whether reduce() applies eop to etype (AVG only to floats, bitwise operators only to integers). */
+static int reducible(int etype, int eop) {
+    int is_float = etype == T_F32 || etype == T_F64;
+    return element_size(etype) && eop >= O_SUM && eop <= O_AVG && !(eop == O_AVG && !is_float) &&
+           !(is_float && eop >= O_BAND && eop <= O_BXOR);
+}
+
+/* reduce() tile by tile, each small enough that its p inputs and its result stay in the
+ * first-level cache: one pass over the inputs from memory, whatever p is. ``also`` (NULL:
+ * none) gets a copy of the result while it is still in the cache. */
+static void reduce_tiled(int etype, int eop, char *out, char *also, char **ins, int p, Py_ssize_t n) {
+    Py_ssize_t es = element_size(etype), tile = TILE_BYTES / es;
+    char *at[p];
+    for (Py_ssize_t i = 0; i < n; i += tile) {
+        Py_ssize_t m = n - i < tile ? n - i : tile;
+        for (int q = 0; q < p; q++) at[q] = ins[q] + i * es;
+        reduce(etype, eop, out + i * es, at, p, m);
+        if (also) memcpy(also + i * es, out + i * es, m * es);
+    }
+}
+
 /* ------------------------------------------------------------------ stepping */
 /* The positional integer arguments of a method (addresses, sizes and codes all fit). */
 static int int_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *name, long long *out) {
@@ -294,7 +327,7 @@ static int complete(Fast *f) {
         if (f->nbytes && (f->root < 0 || f->root == f->rank)) {
             char *ins[f->size];
             for (int q = 0; q < f->size; q++) ins[q] = buffer(f, q, f->b);
-            reduce(f->etype, f->eop, f->dst, ins, f->size, f->nbytes / element_size(f->etype));
+            reduce_tiled(f->etype, f->eop, f->dst, NULL, ins, f->size, f->nbytes / element_size(f->etype));
         }
     }
     return DONE;
@@ -332,9 +365,8 @@ static PyObject *Fast_run(Fast *f, PyObject *const *args, Py_ssize_t nargs) {
             return NULL;
         }
     } else if (kind == K_REDUCE) {
-        int es = element_size(etype), is_float = etype == T_F32 || etype == T_F64;
-        if (!es || eop < O_SUM || eop > O_AVG || (eop == O_AVG && !is_float) ||
-            (is_float && eop >= O_BAND && eop <= O_BXOR)) {
+        int es = element_size(etype);
+        if (!reducible(etype, eop)) {
             PyErr_SetString(PyExc_ValueError, "tdist_tcp.shared._shmfast.run: unsupported element type or operator");
             return NULL;
         }
@@ -439,6 +471,59 @@ static void Fast_dealloc(Fast *f) {
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
 
+PyDoc_STRVAR(combine_doc,
+             "combine(etype, eop, n, out, also, in0, in1, ...)\n\n"
+             "out[:n] := in0 op in1 op ... (n elements at each address, in that order: the same bits as\n"
+             "the one-step reduction), in one pass over the inputs; also (0: none) gets a copy of the\n"
+             "result, tile by tile as each is reduced: also may be one of the inputs (the same\n"
+             "address: the rank's own tensor), out overlaps none. AVG divides by the number of\n"
+             "inputs. etype/eop: the element type and operator codes of tdist_tcp.shared.native.\n"
+             "Releases the GIL for large reductions.");
+
+static PyObject *combine(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t p = nargs - 5; /* etype, eop, n, out, also, then the inputs */
+    if (p < 1 || p > MAX_INPUTS) {
+        PyErr_Format(PyExc_TypeError, "tdist_tcp.shared._shmfast.combine: takes 1 to %d inputs", MAX_INPUTS);
+        return NULL;
+    }
+    long long *a = PyMem_New(long long, nargs);
+    char **ins = PyMem_New(char *, p);
+    PyObject *result = NULL;
+    if (!a || !ins) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (!int_args(args, nargs, nargs, "combine", a)) goto done;
+    int etype = (int)a[0], eop = (int)a[1];
+    Py_ssize_t n = (Py_ssize_t)a[2];
+    int ok = reducible(etype, eop) && n >= 0 && a[3];
+    for (Py_ssize_t q = 0; ok && q < p; q++) ok = a[5 + q] != 0;
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "tdist_tcp.shared._shmfast.combine: bad type, operator, size or address");
+        goto done;
+    }
+    for (Py_ssize_t q = 0; q < p; q++) ins[q] = (char *)(uintptr_t)a[5 + q];
+    char *out = (char *)(uintptr_t)a[3], *also = (char *)(uintptr_t)a[4];
+    if (n * element_size(etype) < NOGIL_BYTES) {
+        reduce_tiled(etype, eop, out, also, ins, (int)p, n);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        reduce_tiled(etype, eop, out, also, ins, (int)p, n);
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_Free(a);
+    PyMem_Free(ins);
+    return result;
+}
+
+static PyMethodDef module_functions[] = {
+    {"combine", (PyCFunction)(void (*)(void))combine, METH_FASTCALL, combine_doc},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMethodDef Fast_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Fast_run, METH_FASTCALL, run_doc},
     {"finish", (PyCFunction)Fast_finish, METH_NOARGS, finish_doc},
@@ -476,6 +561,7 @@ static struct PyModuleDef module = {
     .m_name = "tdist_tcp.shared._shmfast",
     .m_doc = "The shared-memory engine's one-step collectives in C (see tdist_tcp.shared.native).",
     .m_size = -1,
+    .m_methods = module_functions,
 };
 
 PyMODINIT_FUNC PyInit__shmfast(void) {

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
+from . import native
+
 if TYPE_CHECKING:
     import torch
     from tdist.plugin import Reduction
@@ -71,7 +73,7 @@ class Kernel:
     """Views of the segment and of tensors as numpy arrays (or torch tensors for the
     dtypes numpy lacks), and the reduction ``out = in0 op in1 op ...`` on them."""
 
-    __slots__ = ("eng", "dtype", "es", "op", "npdt", "ufunc")
+    __slots__ = ("eng", "dtype", "es", "op", "npdt", "ufunc", "codes")
 
     def __init__(self, eng: "ShmSteps", dtype: "torch.dtype", op: Optional["Reduction"]) -> None:
         self.eng = eng
@@ -85,6 +87,10 @@ class Kernel:
             self.ufunc = table.get(op.op.name)
         if self.ufunc is None:
             self.npdt = None  # reductions (and so views) in torch
+        etype = native.element_type(dtype)
+        eop = native.operator(op, etype) if op is not None else 0
+        #: the C part's element type and operator codes, when it can do this reduction
+        self.codes: Optional[tuple[int, int]] = (etype, eop) if eop else None
 
     def shm(self, off: int, count: int) -> Any:
         if self.npdt is not None:

@@ -10,6 +10,9 @@ and everything when the extension is missing or ``$TDIST_TCP_NATIVE=0`` (or the 
 option ``native=False``), runs in :mod:`tdist_tcp.shared.shm`'s Python, which follows the same
 protocol step for step: ranks with and without it can share a group.
 
+It also reduces a two-step all_reduce's slice (``combine``: every input in one pass, in
+cache-sized tiles, without the GIL).
+
 Reductions done in C: float32/float64 with SUM, PRODUCT, MIN, MAX, AVG; int8, uint8,
 int16, int32, int64 with SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR (wrapping like
 torch). Every rank reduces the same buffers in rank order, so results are bitwise

@@ -37,7 +37,8 @@ Algorithms (``p`` ranks, per-rank buffer ``S`` bytes):
 
 Copies are ``memmove`` through ctypes and reductions numpy ufuncs (both release
 the GIL and stay on one thread), with tdist.reduction's torch functions for the
-dtypes numpy lacks (bfloat16, float8, complex32, ...).
+dtypes numpy lacks (bfloat16, float8, complex32, ...); a two-step all_reduce reduces its
+slice in one call to the C part's ``combine`` where it has the dtype and operator.
 
 The small one-step collectives of a caller that waits (barrier, broadcast, all_reduce
 and reduce up to 64 KiB) run in one call into the optional C part instead
@@ -354,6 +355,8 @@ class ShmEngine(ShmSteps):
         chunk = self.S // es
         block = max(1, self.block_bytes // es)
         keep = root is None or root == r
+        combine = self.combine
+        codes = K.codes if combine is not None else None
         desc = None
         for a in range(0, n, chunk):
             m = min(chunk, n - a)
@@ -373,7 +376,10 @@ class ShmEngine(ShmSteps):
             self._step(c, first)
             # my slice: my data (from the tensor) op the peers' (in rank order, for determinism),
             # in cache-sized blocks, each copied to my tensor while it is still in the cache
-            for s0 in range(lo, hi, block):
+            if codes is not None:  # the same, in one call to the C part
+                ins = [at + lo * es if q == r else self.base + self.off(q, b) + lo * es for q in range(p)]
+                combine(*codes, hi - lo, self.base + mine + lo * es, at + lo * es if keep else 0, *ins)
+            for s0 in range(lo, hi, block) if codes is None else ():
                 s1 = min(s0 + block, hi)
                 ins = [
                     K.ten(flat, a + s0, a + s1) if q == r else K.shm(self.off(q, b) + s0 * es, s1 - s0)

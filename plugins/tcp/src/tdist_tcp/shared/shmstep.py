@@ -174,6 +174,9 @@ class ShmSteps:
                 self.fast = ext.Fast(*args, slots=None if slots is None else self.slots)
             except TypeError:  # a C part built before slots existed: the Python steps, for a shrunken group
                 self.fast = ext.Fast(*args) if slots is None else None
+        #: the C part's ``combine(etype, eop, n, out, also, *ins)``, a reduction in one pass over
+        #: its inputs (see :attr:`Kernel.codes`); None: numpy's ufuncs
+        self.combine: Any = getattr(ext, "combine", None)
         #: ``k``: steps posted, ``rounds``: rounds begun (buffer parity); the C part's own when
         #: there is one, since its collectives advance them too
         self.n: Any = self.fast if self.fast is not None else _Counters()
