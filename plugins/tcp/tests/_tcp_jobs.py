@@ -203,7 +203,8 @@ def collectives_suite(b: Any, rank: int, n: int = 37) -> list[str]:
 
 
 def bitwise_digest(b: Any, rank: int, n: int, seed: int) -> str:
-    """all_reduce random floats (SUM and AVG, float32 and bfloat16); digest of the results."""
+    """all_reduce and reduce_scatter random floats (SUM and AVG, float32 and bfloat16);
+    digest of the results (reduce_scatter's all-gathered, so every rank digests the same)."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     h = hashlib.sha256()
     for dtype in (torch.float32, torch.bfloat16):
@@ -211,6 +212,12 @@ def bitwise_digest(b: Any, rank: int, n: int, seed: int) -> str:
             t = torch.randn(n, generator=g).to(dtype)
             b.all_reduce(t, op).wait()
             h.update(t.view(torch.uint8).numpy().tobytes())
+            ins = [torch.randn(n // b.size + 1, generator=g).to(dtype) for _ in range(b.size)]
+            mine = torch.empty_like(ins[0])
+            b.reduce_scatter(mine, ins, op).wait()
+            every = [torch.empty_like(mine) for _ in range(b.size)]
+            b.all_gather(every, mine).wait()
+            h.update(torch.cat(every).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -136,6 +136,25 @@ def test_c_and_python_steps_agree_bitwise_and_mix_in_one_group(world3, buffers):
         assert digest == digests["c"], rank
 
 
+@pytest.mark.skipif(not HAS_NATIVE, reason="tdist_tcp.shared._shmfast is not built")
+def test_a_queued_small_all_reduce_takes_one_c_call():
+    """An all_reduce waited for through its Work (as torch's API does through the bridge)
+    makes the same single C call as a blocking caller's when it is small enough, and the
+    Python steps otherwise."""
+
+    def body(b, rank):
+        before = b._shm.fast.runs
+        small = torch.full((8,), float(rank + 1))
+        b.all_reduce(small, Reduction(ReduceOp.SUM)).wait()
+        avg = torch.full((8,), float(rank))
+        b.all_reduce(avg, Reduction(ReduceOp.AVG)).wait()
+        large = torch.ones(70000)  # over the C call's 64 KiB
+        b.all_reduce(large, Reduction(ReduceOp.SUM)).wait()
+        return b._shm.fast.runs - before, small.tolist(), avg.tolist(), large.unique().tolist()
+
+    assert run_threads(2, body) == [(2, [3.0] * 8, [0.5] * 8, [2.0])] * 2
+
+
 def test_large_all_reduce_matches_socket_path():
     """A multi-round all_reduce (random floats, SUM and AVG) gives what the socket path gives
     up to rounding, and every rank the same bits."""

@@ -89,8 +89,8 @@ class Kernel:
             self.npdt = None  # reductions (and so views) in torch
         etype = native.element_type(dtype)
         eop = native.operator(op, etype) if op is not None else 0
-        #: the C part's element type and operator codes, when it can do this reduction
-        self.codes: Optional[tuple[int, int]] = (etype, eop) if eop else None
+        #: the C part's element type and operator codes, when it is here and can do this reduction
+        self.codes: Optional[tuple[int, int]] = (etype, eop) if eop and eng.combine is not None else None
 
     def shm(self, off: int, count: int) -> Any:
         if self.npdt is not None:

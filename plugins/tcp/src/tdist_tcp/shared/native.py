@@ -10,8 +10,10 @@ and everything when the extension is missing or ``$TDIST_TCP_NATIVE=0`` (or the 
 option ``native=False``), runs in :mod:`tdist_tcp.shared.shm`'s Python, which follows the same
 protocol step for step: ranks with and without it can share a group.
 
-It also reduces a two-step all_reduce's slice (``combine``: every input in one pass, in
-cache-sized tiles, without the GIL).
+A queued all_reduce or reduce of up to :data:`QUICK_BYTES` (waited for through its
+Work, as every call through torch's API is) makes the same call from the lane. The C
+part also reduces a two-step all_reduce's or reduce_scatter's slice (``combine``: every
+input in one pass, in cache-sized tiles, without the GIL).
 
 Reductions done in C: float32/float64 with SUM, PRODUCT, MIN, MAX, AVG; int8, uint8,
 int16, int32, int64 with SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR (wrapping like

@@ -37,14 +37,15 @@ Algorithms (``p`` ranks, per-rank buffer ``S`` bytes):
 
 Copies are ``memmove`` through ctypes and reductions numpy ufuncs (both release
 the GIL and stay on one thread), with tdist.reduction's torch functions for the
-dtypes numpy lacks (bfloat16, float8, complex32, ...); a two-step all_reduce reduces its
-slice in one call to the C part's ``combine`` where it has the dtype and operator.
+dtypes numpy lacks (bfloat16, float8, complex32, ...); a two-step all_reduce and reduce_scatter reduce
+their slice in one call to the C part's ``combine`` where it has the dtype and operator.
 
 The small one-step collectives of a caller that waits (barrier, broadcast, all_reduce
 and reduce up to 64 KiB) run in one call into the optional C part instead
 (:mod:`tdist_tcp.shared.native`: :attr:`ShmEngine.fast`), which follows the same protocol
 and shares the engine's counters; when its bounded spin runs out (or the policy says
-not to spin), :meth:`ShmEngine.settle` waits here, in Python, as every step does.
+not to spin), :meth:`ShmEngine.settle` waits here, in Python, as every step does. A
+queued all_reduce or reduce small enough makes the same call (:meth:`ShmEngine.all_reduce`).
 """
 
 from __future__ import annotations
@@ -320,6 +321,15 @@ class ShmEngine(ShmSteps):
         nb = flat.nbytes
         K = self.kernel(flat.dtype, op)
         avg = op.op is ReduceOp.AVG
+        codes = K.codes
+        if codes is not None and nb <= self.quick_reduce_bytes and self.fast is not None and self._whole_group:
+            # one C call, as a blocking caller's quick path makes it (here for a queued one; the
+            # C part takes a descriptor's slot from seq: not for one host's part of a group)
+            where = -1 if root is None else root
+            outcome = self.fast.run(native.REDUCE, c.seq, c.op, c.redop, c.dtype, flat.data_ptr(), nb, where, *codes)
+            if outcome:
+                self.settle(outcome, c)
+            return
         if nb <= self.direct_bytes:
             b = self._next_buffer()
             desc: Optional[tuple] = self._put_desc(c, nb, root or 0)
@@ -356,7 +366,6 @@ class ShmEngine(ShmSteps):
         block = max(1, self.block_bytes // es)
         keep = root is None or root == r
         combine = self.combine
-        codes = K.codes if combine is not None else None
         desc = None
         for a in range(0, n, chunk):
             m = min(chunk, n - a)
@@ -489,6 +498,8 @@ class ShmEngine(ShmSteps):
         avg = op.op is ReduceOp.AVG
         blk_elems = self._block() // es
         blk = blk_elems * es
+        combine = self.combine
+        codes = K.codes
         own: Any = None
         if premul and n:
             own = ins[r].clone()
@@ -507,12 +518,17 @@ class ShmEngine(ShmSteps):
             self._step(c, desc if a == 0 else None)
             if m:  # own contribution first: ``out`` may be a view of it (in-place reduce_scatter)
                 src_own = own if own is not None else ins[r]
-                parts = [K.ten(src_own, a, a + m)] + [K.shm(self.off(q, b) + r * blk, m) for q in self._peers]
-                K.reduce(K.ten(out, a, a + m), parts)
+                if codes is not None:  # in the C part, through the part of my buffer nobody reads
+                    peers = [self.base + self.off(q, b) + r * blk for q in self._peers]
+                    at = a * es
+                    combine(*codes, m, self.base + mine + r * blk, out.data_ptr() + at, src_own.data_ptr() + at, *peers)
+                else:
+                    parts = [K.ten(src_own, a, a + m)] + [K.shm(self.off(q, b) + r * blk, m) for q in self._peers]
+                    K.reduce(K.ten(out, a, a + m), parts)
             a += m
             if a >= n:
                 break
-        if avg and n:
+        if avg and n and codes is None:  # the C part has divided already
             self._finalize(out, op)
 
     def all_to_all(self, c: "Coll", outs: Sequence["torch.Tensor"], ins: Sequence["torch.Tensor"]) -> None:
