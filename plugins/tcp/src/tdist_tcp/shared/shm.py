@@ -388,17 +388,18 @@ class ShmEngine(ShmSteps):
             if codes is not None:  # the same, in one call to the C part
                 ins = [at + lo * es if q == r else self.base + self.off(q, b) + lo * es for q in range(p)]
                 combine(*codes, hi - lo, self.base + mine + lo * es, at + lo * es if keep else 0, *ins)
-            for s0 in range(lo, hi, block) if codes is None else ():
-                s1 = min(s0 + block, hi)
-                ins = [
-                    K.ten(flat, a + s0, a + s1) if q == r else K.shm(self.off(q, b) + s0 * es, s1 - s0)
-                    for q in range(p)
-                ]
-                K.reduce(K.shm(mine + s0 * es, s1 - s0), ins)
-                if avg:
-                    self._finalize(self.t8()[mine + s0 * es : mine + s1 * es].view(flat.dtype), op)
-                if keep:
-                    _memmove(at + s0 * es, self.base + mine + s0 * es, (s1 - s0) * es)
+            else:
+                for s0 in range(lo, hi, block):
+                    s1 = min(s0 + block, hi)
+                    ins = [
+                        K.ten(flat, a + s0, a + s1) if q == r else K.shm(self.off(q, b) + s0 * es, s1 - s0)
+                        for q in range(p)
+                    ]
+                    K.reduce(K.shm(mine + s0 * es, s1 - s0), ins)
+                    if avg:
+                        self._finalize(self.t8()[mine + s0 * es : mine + s1 * es].view(flat.dtype), op)
+                    if keep:
+                        _memmove(at + s0 * es, self.base + mine + s0 * es, (s1 - s0) * es)
             self._step(c)
             if keep:
                 for q in self._peers:
