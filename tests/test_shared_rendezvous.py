@@ -105,10 +105,14 @@ def jobs(tmp_path):
             proc.wait(timeout=30)
 
 
-def _wait_for_bytes(path: Path, needle: bytes, timeout: float = 120) -> None:
+def _wait_for_bytes(jobs: Jobs, proc: subprocess.Popen, path: Path, needle: bytes, timeout: float = 120) -> None:
+    """Until ``proc`` wrote ``needle`` into ``path``; a failure if it ended first or never did."""
     deadline = time.monotonic() + timeout
     while not (path.exists() and needle in path.read_bytes()):
-        assert time.monotonic() < deadline, f"{needle!r} never appeared in {path}"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            jobs.fail(
+                f"{needle!r} never appeared in {path} (the process {'ended' if proc.poll() is not None else 'runs'})"
+            )
         time.sleep(0.05)
 
 
@@ -116,9 +120,10 @@ def test_file_path_shared_by_jobs_at_once_again_and_after_a_crash(jobs, tmp_path
     path = tmp_path / "shared"
     url = f"file://{path}"
     b = jobs.job(url, "b", ranks=(0, 1), hold=True)  # runs throughout: the path stays in use
+    jobs.ready(b, "b")  # (else "a" may come and go first: the path's last user removes its files)
     jobs.finish(jobs.job(url, "a"), "a")
     alone = jobs.start(url, "a")  # the same job again: one process of two, killed while it gathers
-    _wait_for_bytes(path, b"tdist/jobs/a/1/member/0")
+    _wait_for_bytes(jobs, alone, path, b"tdist/jobs/a/1/member/0")
     jobs.kill([alone])
     jobs.finish(jobs.job(url, "a"), "a")  # and again, past the crashed run
     jobs.go("b")

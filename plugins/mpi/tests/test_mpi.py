@@ -308,3 +308,13 @@ def test_bench_overhead_runs(mpi_ready):
     result = run_mpi(2, str(ROOT / "bench_overhead.py"), "--sizes", "4,65536", "--rounds", "2", timeout=120)
     assert result.returncode == 0, result.output[-4000:]
     assert "raw mpi4py" in result.output and result.output.rstrip().endswith("x"), result.output[-4000:]
+
+
+def test_a_request_a_revocation_leaves_pending_fails_at_once(mpi_ready):
+    """With fault tolerance, a request whose communicator was revoked and that Test() still
+    calls pending fails with MPI_ERR_REVOKED at the next poll (done-callback thread, blocked
+    wait), not at the group's timeout; a completed one still succeeds."""
+    result = run_mpi(1, "revoked.py", timeout=60)
+    assert result.returncode == 0, result.output[-4000:]
+    for line in ("POLL OK", "WAIT OK", "DONE OK"):
+        assert result.lines(line), result.output[-4000:]

@@ -301,8 +301,9 @@ def shrink_group_refusals():
             continue
         raise AssertionError(f"shrink_group({bad!r}) did not raise {error.__name__}")
     trio = dist.new_group([0, 1, 2])
-    if r < 3:  # rank 0 drops rank 2; ranks 1 and 2 drop rank 0, which is alive
-        view = [2] if r == 0 else [0]
+    if r < 3:  # rank 0 drops rank 2, rank 1 drops rank 0, rank 2 drops rank 1: each keeps a rank that
+        # disagrees with it, and that rank's claim is sure to come (it calls shrink_group too)
+        view = [(r + 2) % 3]
         try:
             dist.shrink_group(view, group=trio)
         except dist.DistError as exc:

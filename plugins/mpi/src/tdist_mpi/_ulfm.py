@@ -141,6 +141,14 @@ class Failures:
         except self._Exception:
             pass
 
+    def is_revoked(self) -> bool:
+        """Whether the communicator was revoked, by this rank or another member."""
+        try:
+            with self._rt.lock:
+                return bool(self._comm.Is_revoked())
+        except self._Exception:
+            return False
+
     def failed_global_ranks(self) -> list[int]:
         """The global ranks of the members MPI knows to have failed (this process's
         knowledge, which the others' errors and the core's agreement complete)."""

@@ -101,6 +101,8 @@ class MPIBackend(Backend):
         self._convert: Callable[[str, BaseException], BaseException] = (
             self._failures.error if self._failures is not None else mpi_error
         )
+        #: whether a member revoked the communicator (with fault tolerance)
+        self._revoked: Optional[Callable[[], bool]] = self._failures.is_revoked if self._failures is not None else None
 
     # ------------------------------------------------------------------ helpers
     def _issue(
@@ -117,7 +119,9 @@ class MPIBackend(Backend):
                 req = call()
         except MPIException as exc:
             raise self._convert(operation, exc) from exc
-        work = MPIWork(operation, req, self._t, outputs, finalize, keep, status, self._wlock, self._convert)
+        work = MPIWork(
+            operation, req, self._t, outputs, finalize, keep, status, self._wlock, self._convert, self._revoked
+        )
         self._works.add(work)
         return work
 
@@ -184,7 +188,9 @@ class MPIBackend(Backend):
                         req = self._comm.Iallreduce(self._IN_PLACE, [buf, plan.dt], plan.op)
             except MPIException as exc:
                 raise self._convert("all_reduce", exc) from exc
-            return MPIWork("all_reduce", req, self._t, (tensor,), None, None, None, self._wlock, self._convert)
+            return MPIWork(
+                "all_reduce", req, self._t, (tensor,), None, None, None, self._wlock, self._convert, self._revoked
+            )
         target = tensor.detach()
         work = target.to(plan.stage) if plan.stage is not None else target
         if plan.premul:
