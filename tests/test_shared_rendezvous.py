@@ -109,10 +109,9 @@ def _wait_for_bytes(jobs: Jobs, proc: subprocess.Popen, path: Path, needle: byte
     """Until ``proc`` wrote ``needle`` into ``path``; a failure if it ended first or never did."""
     deadline = time.monotonic() + timeout
     while not (path.exists() and needle in path.read_bytes()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            jobs.fail(
-                f"{needle!r} never appeared in {path} (the process {'ended' if proc.poll() is not None else 'runs'})"
-            )
+        ended = proc.poll() is not None
+        if ended or time.monotonic() > deadline:
+            jobs.fail(f"{needle!r} never appeared in {path} (the process {'ended' if ended else 'runs'})")
         time.sleep(0.05)
 
 
