@@ -312,9 +312,15 @@ def mismatch_job(b: Any, rank: int, kind: str, blocking: bool = False) -> tuple:
 
 
 def dead_peer_job(b: Any, rank: int, victim: int, how: str) -> Any:
-    """``victim`` dies (os._exit) while the others are in an all_reduce; returns the survivors' error."""
+    """``victim`` dies (os._exit) while the others are in an all_reduce; returns the survivors' error.
+    ``how`` "exit-cma": after two large all_reduces (the group then reads its peers' memory,
+    tdist_tcp.shared.cma), and the survivors' is one too."""
     SUM = Reduction(ReduceOp.SUM)
     b.all_reduce(torch.ones(8), SUM).wait()  # everyone is connected and working
+    large = 1 << 18  # 1 MiB of float32: tdist_tcp.shared.cma's
+    if how == "exit-cma":
+        for _ in range(2):
+            b.all_reduce(torch.ones(large), SUM).wait()
     if rank == victim:
         if how == "exit-mid-send":
             threading.Timer(0.3, lambda: os._exit(3)).start()
@@ -325,7 +331,7 @@ def dead_peer_job(b: Any, rank: int, victim: int, how: str) -> Any:
         if how == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(3)
-    big = torch.ones(1 << 20 if how == "exit-mid-send" else 1000)
+    big = torch.ones({"exit-mid-send": 1 << 20, "exit-cma": large}.get(how, 1000))
     first = describe_error(lambda: b.all_reduce(big, SUM).wait())
     later = describe_error(lambda: b.all_reduce(torch.ones(2), SUM).wait())
     return first, later
@@ -471,6 +477,36 @@ def shm_suites_job(b: Any, rank: int, sizes: tuple = (5, 1000, 5000), n: int = 3
     failures += p2p_suite(b, rank)
     digest = bitwise_digest(b, rank, 7000, 3)
     return b.uses_shm, failures, digest, shm_files([os.getpid()]), shm_mappings()
+
+
+C_DTYPES = (torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def cma_job(b: Any, rank: int) -> tuple:
+    """Large all_reduces (over tdist_tcp.shared.cma's threshold; an odd element count, so the
+    slices differ in size) of every dtype and reduce op the C part has, a bfloat16 and a
+    PREMUL_SUM one (the segment's way), then random floats (SUM, AVG) digested: (the
+    engine's cross-memory state, failures, digest). The first large all_reduce always goes
+    the segment's way and the second settles whether the group reads its peers' memory."""
+    failures = []
+    for dtype in C_DTYPES + (torch.bfloat16,):
+        n = (1 << 20) // dtype.itemsize + 7
+        for op in reductions() if dtype in C_DTYPES else [Reduction(ReduceOp.SUM), make_premul_sum(2.0)]:
+            if not _valid(op, dtype):
+                continue
+            small = op.op is ReduceOp.PRODUCT
+            t = make(rank, n, dtype, small)
+            b.all_reduce(t, op).wait()
+            want = expected_reduction(b.size, n, dtype, op)
+            if not _same(t, want):
+                failures.append(f"all_reduce {op.name} {dtype} n={n}: {t[:6].tolist()} != {want[:6].tolist()}")
+    g = torch.Generator().manual_seed(11 + rank)
+    h = hashlib.sha256()
+    for op in (Reduction(ReduceOp.SUM), Reduction(ReduceOp.AVG)):
+        t = torch.randn((3 << 18) + 5, generator=g)
+        b.all_reduce(t, op).wait()
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return b._shm.cma.state, failures, h.hexdigest()
 
 
 def hierarchy_suites_job(b: Any, rank: int) -> tuple:

@@ -277,6 +277,59 @@ def test_combine_refuses_bad_arguments():
             FAST.combine(*args)  # type: ignore[union-attr]
 
 
+def _gone_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "dtype,op", [(torch.float32, ReduceOp.SUM), (torch.float64, ReduceOp.AVG), (torch.int16, ReduceOp.BXOR)]
+)
+def test_cma_combine_reduces_a_slice_from_every_member_and_writes_it_into_all(dtype, op):
+    """``cma_combine`` (tdist_tcp.shared.cma): member r's slice of p members' tensors, read
+    through ``process_vm_readv`` (here every member is this process), reduced in member
+    order over several tiles and a ragged end, and written into every member's tensor;
+    the same bits as ``combine``."""
+    p, r, n = 3, 1, 50000 + 3
+    ins = _inputs(dtype, p, n)
+    want = torch.empty_like(ins[0])
+    etype = native.element_type(dtype)
+    eop = native.operator(Reduction(op), etype)
+    FAST.combine(etype, eop, n, want.data_ptr(), 0, *(t.data_ptr() for t in ins))  # type: ignore[union-attr]
+    pid = os.getpid()
+    done = FAST.cma_combine(etype, eop, n, r, ins[r].data_ptr(), *[pid] * p, *(t.data_ptr() for t in ins))  # type: ignore[union-attr]
+    assert done is None
+    assert [_bits(t) for t in ins] == [_bits(want)] * p
+
+
+@needs_c
+def test_cma_says_which_member_it_cannot_reach_and_probes_tell_the_right_process():
+    import errno
+
+    t = torch.arange(8, dtype=torch.float32)
+    a, me, gone = t.data_ptr(), os.getpid(), _gone_pid()
+    assert FAST.cma_combine(1, 1, 8, 0, a, me, gone, a, a) == (1, errno.ESRCH)  # type: ignore[union-attr]
+    other = torch.arange(8, dtype=torch.float32)
+    assert FAST.cma_probe(me, a, other.data_ptr(), 32) == 0  # type: ignore[union-attr]
+    other[3] = -1.0
+    assert FAST.cma_probe(me, a, other.data_ptr(), 32) == -1  # type: ignore[union-attr]
+    assert FAST.cma_probe(gone, a, a, 8) == errno.ESRCH  # type: ignore[union-attr]
+    assert FAST.cma_probe(me, 1, a, 8) == errno.EFAULT  # type: ignore[union-attr]
+    for args, error in [
+        ((1, 1, 8, 0, a, me, a), TypeError),  # one member
+        ((1, 5, 8, 0, a, me, me, a, a), ValueError),  # BAND on floats
+        ((1, 1, 8, 2, a, me, me, a, a), ValueError),  # no such member
+        ((1, 1, 8, 0, 0, me, me, a, a), ValueError),  # no tensor
+    ]:
+        with pytest.raises(error):
+            FAST.cma_combine(*args)  # type: ignore[union-attr]
+    with pytest.raises(ValueError):
+        FAST.cma_probe(me, a, a, 65)  # type: ignore[union-attr]
+
+
 def test_codes_cover_what_the_c_part_reduces_and_nothing_else():
     assert [native.element_type(d) for d in FLOATS + INTS] == [1, 2, 3, 4, 5, 6, 7]
     for dtype in (torch.float16, torch.bfloat16, torch.complex64, torch.bool):

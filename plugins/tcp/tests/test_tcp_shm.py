@@ -176,6 +176,43 @@ def test_large_all_reduce_matches_socket_path():
     assert torch.allclose(results[0][1], want) and torch.allclose(results[0][2], want / 2)
 
 
+@pytest.mark.skipif(not HAS_NATIVE, reason="tdist_tcp.shared._shmfast is not built")
+def test_large_all_reduces_read_and_write_the_peers_memory(world3):
+    """Processes of one host reduce large all_reduces in their peers' own memory
+    (tdist_tcp.shared.cma) from the second one on, with every result right, and the bits the
+    same as the segment's way (``cma=False``) gives."""
+    on = world3.run("cma_job", timeout=150)
+    off = world3.run("cma_job", timeout=150, options={"cma": False})
+    for results, state in ((on, "on"), (off, "off")):
+        assert [r[0] for r in results] == [state] * 3
+        assert all(r[1] == [] for r in results), [r[1][:5] for r in results]
+        assert len({r[2] for r in results}) == 1
+    assert on[0][2] == off[0][2]
+
+
+@pytest.mark.parametrize("decliner", [None, 1], ids=["all-able", "one-declines"])
+def test_cross_memory_is_the_whole_groups_or_nobodys(decliner):
+    """Ranks that are threads of one process read each other's memory too; one rank that
+    says no (``cma=False``, or no C part) keeps the whole group to the segment's way."""
+    store = HashStore()
+    out: list = [None] * 3
+
+    def target(rank):
+        b = make_backend(store, rank, 3, 20.0, {"cma": rank != decliner})
+        try:
+            out[rank] = J.cma_job(b, rank)
+        finally:
+            b.shutdown()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    state = "on" if decliner is None and HAS_NATIVE else "off"
+    assert [r[0] for r in out] == [state] * 3 and all(r[1] == [] for r in out), [(r[0], r[1][:3]) for r in out]
+
+
 @pytest.mark.parametrize("world", [3, 4])
 def test_in_place_reduce_scatter_and_all_gather(world):
     """Outputs that are views of the inputs (rank r's chunk), as NCCL-style in-place calls make them."""
@@ -291,7 +328,7 @@ def test_timeout_when_a_peer_never_comes(blocking):
     assert 0.5 < elapsed < 6
 
 
-@pytest.mark.parametrize("how", ["exit", "sigkill"])
+@pytest.mark.parametrize("how", ["exit", "sigkill", "exit-cma"])
 def test_killed_peer_fails_survivors_and_leaks_nothing(world3, how):
     pids = world3.pids()
     results = world3.run("dead_peer_job", 2, how, backend_timeout=60, dead_ok=[2], timeout=60)

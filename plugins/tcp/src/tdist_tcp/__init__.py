@@ -22,8 +22,8 @@ The package, layer by layer (one subpackage each; none imports in a circle, whic
   host), :mod:`~.shared.segment` (create, find, authenticate the segment),
   :mod:`~.shared.shmstep` (its step protocol), :mod:`~.shared.shmwait` (spin or
   sleep), :mod:`~.shared.futex`, :mod:`~.shared.kernels` (reductions),
-  :mod:`~.shared.native` (the optional C part, ``_shmfast``), :mod:`~.shared.shm` (the
-  one-host collectives);
+  :mod:`~.shared.native` (the optional C part, ``_shmfast``), :mod:`~.shared.cma` (large
+  all_reduces in the peers' own memory), :mod:`~.shared.shm` (the one-host collectives);
 - :mod:`.collectives` -- **algorithms**: :mod:`~.collectives.tensors` (flat, scaled
   inputs), :mod:`~.collectives.algorithms` (ring/tree/doubling over sockets),
   :mod:`~.collectives.hierarchy` (shared memory within a host, sockets between hosts),

@@ -59,6 +59,7 @@ def _spec() -> BackendSpec:
                 "shm_block_bytes",
                 "shm_spin_us",
                 "native",
+                "cma",
                 "hierarchy",
                 "host_id",
                 "ranks_per_host",

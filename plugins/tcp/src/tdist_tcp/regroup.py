@@ -70,7 +70,9 @@ __all__ = ["shrink", "Successor", "forbid_reuse", "FORBID_KEY", "LOCAL_OPTIONS"]
 #: set in a group's store by a member that aborted it: its successor cannot reuse its connections
 FORBID_KEY = "tcp/shrink/no-reuse"
 #: options a shrunken group may change and still reuse the old group's connections and segment
-LOCAL_OPTIONS = frozenset({"connect", "native", "ring_threshold", "segment_bytes", "grace", "linger", "shm_spin_us"})
+LOCAL_OPTIONS = frozenset(
+    {"connect", "native", "cma", "ring_threshold", "segment_bytes", "grace", "linger", "shm_spin_us"}
+)
 _MARK_LIMIT = 30.0  # seconds at most to send a link's MARK (a frame of the old group may be going out)
 
 

@@ -128,7 +128,7 @@ class Transport(Handover, Verdicts):
     def me(self) -> str:
         return self.label(self.rank)
 
-    def _gone_error(self, message: str, peer: Optional[Peer]) -> DistBackendError:
+    def gone_error(self, message: str, peer: Optional[Peer]) -> DistBackendError:
         """A :class:`DistBackendError` that is the consequence of ``peer``'s failure (None:
         a peer, not known which): ``failed_peer`` names its global rank."""
         err = DistBackendError(message)
@@ -178,7 +178,7 @@ class Transport(Handover, Verdicts):
                 socks = self.mesh.connect(peer.rank, deadline)
                 ok = True
             except ConnectionRefusedError:
-                err = self._gone_error(
+                err = self.gone_error(
                     f"tcp backend: {peer.label} refuses connections from {self.me}: it has shut down its "
                     "process group (or exited)",
                     peer,
@@ -343,7 +343,7 @@ class Transport(Handover, Verdicts):
         if peer.closed is not None:
             return self.peer_error(peer)
         if peer.said_bye:  # it destroyed its group; its link's reader has not seen the EOF yet
-            return self._gone_error(
+            return self.gone_error(
                 f"tcp backend: {peer.label} has shut down its process group; {self.me} cannot communicate with it",
                 peer,
             )
@@ -362,7 +362,7 @@ class Transport(Handover, Verdicts):
                     [peer.rank],
                 )
         else:
-            err = self._gone_error(
+            err = self.gone_error(
                 f"tcp backend: {self.me} lost its connection to {peer.label} while sending "
                 f"({type(exc).__name__}: {exc}); that rank probably died",
                 peer,
@@ -467,7 +467,7 @@ class Transport(Handover, Verdicts):
                                 found = (peer, stashed)
                             break
                 if found is None and all(p is None or p.closed is not None for p in self.peers):
-                    raise self._gone_error(
+                    raise self.gone_error(
                         f"tcp backend: {self.me} cannot receive from any rank: all peers are gone", None
                     )
             if found is None:
@@ -547,12 +547,12 @@ class Transport(Handover, Verdicts):
         if self._closing:
             err = DistBackendError(f"tcp backend: {self.me}'s process group was destroyed")
         elif problem is None:
-            err = self._gone_error(
+            err = self.gone_error(
                 f"tcp backend: {peer.label} has shut down its process group; {self.me} cannot communicate with it",
                 peer,
             )
         else:
-            err = self._gone_error(
+            err = self.gone_error(
                 f"tcp backend: {self.me} lost its connection to {peer.label} ({problem}); that rank probably died",
                 peer,
             )

@@ -37,7 +37,9 @@
 #include <string.h>
 #include <fcntl.h>
 #include <stdlib.h>
+#include <errno.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -50,6 +52,7 @@
 #define TILE_BYTES 4096   /* a reduction's tile: p of them and the result fit the L1 cache */
 #define NOGIL_BYTES (64 << 10) /* combine() releases the GIL for reductions this large */
 #define MAX_INPUTS 4096 /* combine()'s inputs at most: a segment's ranks at most (see Fast) */
+#define CMA_BYTES (256 << 10) /* cma_combine()'s tiles (the peers' and the result) together, at most */
 
 enum { DONE = 0, WAIT = 1, MISMATCH = 2 };
 enum { K_NONE = 0, K_BARRIER, K_BROADCAST, K_REDUCE };
@@ -519,8 +522,119 @@ done:
     return result;
 }
 
+/* ------------------------------------------------ reading and writing the peers' memory */
+PyDoc_STRVAR(cma_probe_doc,
+             "cma_probe(pid, remote, local, nbytes) -> int\n\n"
+             "Read nbytes at address remote of process pid (process_vm_readv) and compare them with\n"
+             "the nbytes at local: 0 if they are equal, -1 if they differ, else the errno of the read\n"
+             "(EPERM: not permitted here, ESRCH: no such process).");
+
+static PyObject *cma_probe(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    long long a[4];
+    char got[64];
+    if (!int_args(args, nargs, 4, "cma_probe", a)) return NULL;
+    size_t n = (size_t)a[3];
+    if (n == 0 || n > sizeof got || !a[2]) {
+        PyErr_SetString(PyExc_ValueError, "tdist_tcp.shared._shmfast.cma_probe: 1 to 64 bytes from a local address");
+        return NULL;
+    }
+    struct iovec mine = {got, n}, theirs = {(void *)(uintptr_t)a[1], n};
+    ssize_t done = process_vm_readv((pid_t)a[0], &mine, 1, &theirs, 1, 0);
+    if (done < 0) return PyLong_FromLong(errno ? errno : EIO);
+    return PyLong_FromLong((size_t)done == n && memcmp(got, (char *)(uintptr_t)a[2], n) == 0 ? 0 : -1);
+}
+
+/* Move n bytes between this process (local) and process pid (remote); 0 or the errno. */
+static int cma_move(pid_t pid, char *local, char *remote, size_t n, int write) {
+    while (n) {
+        struct iovec mine = {local, n}, theirs = {remote, n};
+        ssize_t done = write ? process_vm_writev(pid, &mine, 1, &theirs, 1, 0)
+                             : process_vm_readv(pid, &mine, 1, &theirs, 1, 0);
+        if (done <= 0) return done < 0 && errno ? errno : EIO;
+        local += done;
+        remote += done;
+        n -= (size_t)done;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(cma_combine_doc,
+             "cma_combine(etype, eop, n, r, own, *pids_then_addresses) -> None or (member, errno)\n\n"
+             "Member r's slice of an all_reduce read from its peers' own memory: for the p members\n"
+             "(p pids, then p addresses, each the slice's first element in that member's address\n"
+             "space; r's own is own), tile by tile, read each peer's n elements (process_vm_readv),\n"
+             "reduce in member order into own, and write the result into every peer's slice\n"
+             "(process_vm_writev), without the GIL. The caller makes sure no one else touches these\n"
+             "slices meanwhile. None when done, else the member a transfer failed with and its errno.");
+
+static PyObject *cma_combine(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t p = (nargs - 5) / 2;
+    if (nargs < 9 || (nargs - 5) % 2 || p > MAX_INPUTS) {
+        PyErr_SetString(PyExc_TypeError, "tdist_tcp.shared._shmfast.cma_combine: takes 5 + 2 x (2 to 4096 members) arguments");
+        return NULL;
+    }
+    long long *a = PyMem_New(long long, nargs);
+    char **ins = PyMem_New(char *, p);
+    char *tiles = NULL;
+    PyObject *result = NULL;
+    if (!a || !ins) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (!int_args(args, nargs, nargs, "cma_combine", a)) goto done;
+    int etype = (int)a[0], eop = (int)a[1];
+    Py_ssize_t n = (Py_ssize_t)a[2], r = (Py_ssize_t)a[3], es = element_size(etype);
+    char *own = (char *)(uintptr_t)a[4];
+    long long *pids = a + 5, *addrs = a + 5 + p;
+    if (!reducible(etype, eop) || n < 0 || r < 0 || r >= p || !own) {
+        PyErr_SetString(PyExc_ValueError, "tdist_tcp.shared._shmfast.cma_combine: bad type, operator, size, member or address");
+        goto done;
+    }
+    /* p tiles (the peers' and the result) of whole pages, together about CMA_BYTES */
+    Py_ssize_t tile_bytes = (CMA_BYTES / p) & ~(Py_ssize_t)4095;
+    if (tile_bytes < 4096) tile_bytes = 4096;
+    Py_ssize_t tile = tile_bytes / es;
+    tiles = PyMem_Malloc((size_t)(tile_bytes * p));
+    if (!tiles) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int failed = -1, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    char *out = tiles + (size_t)r * tile_bytes; /* member r's tile is the result's */
+    for (Py_ssize_t i = 0; i < n && failed < 0; i += tile) {
+        Py_ssize_t m = n - i < tile ? n - i : tile;
+        size_t nb = (size_t)(m * es);
+        for (Py_ssize_t q = 0; q < p && failed < 0; q++) {
+            if (q == r) {
+                ins[q] = own + i * es;
+                continue;
+            }
+            ins[q] = tiles + (size_t)q * tile_bytes;
+            err = cma_move((pid_t)pids[q], ins[q], (char *)(uintptr_t)addrs[q] + i * es, nb, 0);
+            if (err) failed = (int)q;
+        }
+        if (failed >= 0) break;
+        reduce_tiled(etype, eop, out, own + i * es, ins, (int)p, m);
+        for (Py_ssize_t q = 0; q < p && failed < 0; q++) {
+            if (q == r) continue;
+            err = cma_move((pid_t)pids[q], out, (char *)(uintptr_t)addrs[q] + i * es, nb, 1);
+            if (err) failed = (int)q;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = failed < 0 ? Py_BuildValue("") : Py_BuildValue("(ii)", failed, err);
+done:
+    PyMem_Free(a);
+    PyMem_Free(ins);
+    PyMem_Free(tiles);
+    return result;
+}
+
 static PyMethodDef module_functions[] = {
     {"combine", (PyCFunction)(void (*)(void))combine, METH_FASTCALL, combine_doc},
+    {"cma_probe", (PyCFunction)(void (*)(void))cma_probe, METH_FASTCALL, cma_probe_doc},
+    {"cma_combine", (PyCFunction)(void (*)(void))cma_combine, METH_FASTCALL, cma_combine_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -73,7 +73,7 @@ class Kernel:
     """Views of the segment and of tensors as numpy arrays (or torch tensors for the
     dtypes numpy lacks), and the reduction ``out = in0 op in1 op ...`` on them."""
 
-    __slots__ = ("eng", "dtype", "es", "op", "npdt", "ufunc", "codes")
+    __slots__ = ("eng", "dtype", "es", "op", "npdt", "ufunc", "c_codes", "codes")
 
     def __init__(self, eng: "ShmSteps", dtype: "torch.dtype", op: Optional["Reduction"]) -> None:
         self.eng = eng
@@ -89,8 +89,11 @@ class Kernel:
             self.npdt = None  # reductions (and so views) in torch
         etype = native.element_type(dtype)
         eop = native.operator(op, etype) if op is not None else 0
-        #: the C part's element type and operator codes, when it is here and can do this reduction
-        self.codes: Optional[tuple[int, int]] = (etype, eop) if eop and eng.combine is not None else None
+        #: the C part's element type and operator codes if it can do this reduction, whether or
+        #: not this rank has the C part (the same on every rank)
+        self.c_codes: Optional[tuple[int, int]] = (etype, eop) if eop else None
+        #: the same, when this rank has the C part
+        self.codes = self.c_codes if eng.combine is not None else None
 
     def shm(self, off: int, count: int) -> Any:
         if self.npdt is not None:

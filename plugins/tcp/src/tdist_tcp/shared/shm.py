@@ -20,7 +20,8 @@ The modules of the engine:
 - :mod:`tdist_tcp.shared.shmwait`: the waiting policy (spin or sleep at once, from the ranks on
   the host against the CPUs they may use, and whether a CPU is free);
 - this module: setting the segment up and the collective algorithms on it;
-- :mod:`tdist_tcp.shared.kernels` the reductions, :mod:`tdist_tcp.shared.native` the optional C part.
+- :mod:`tdist_tcp.shared.kernels` the reductions, :mod:`tdist_tcp.shared.native` the optional C part,
+  :mod:`tdist_tcp.shared.cma` large all_reduces through the peers' own memory.
 
 Algorithms (``p`` ranks, per-rank buffer ``S`` bytes):
 
@@ -29,6 +30,8 @@ Algorithms (``p`` ranks, per-rank buffer ``S`` bytes):
   per round of ``S`` bytes, a rank publishes the slices its peers own, reduces its
   own slice from its tensor and their buffers into its buffer, and after a second
   step copies every reduced slice out (reduce-scatter then all-gather by reading);
+  from 1 MiB, where the group may (:mod:`tdist_tcp.shared.cma`), the same in two steps
+  whatever the size, each rank reading and writing its slice in its peers' own memory;
 - reduce: the same, only the root copies out; broadcast, gather, all_gather,
   scatter, reduce_scatter, all_to_all: one step per round, each rank reading
   straight from the writer's buffer; barrier: one empty step. all_to_all compares the
@@ -70,6 +73,7 @@ from tdist.plugin import (
 )
 
 from . import native, segment, shmwait
+from .cma import CrossMemory
 
 from ..net import tally
 from .shmstep import ALIGN as _ALIGN
@@ -274,6 +278,8 @@ class ShmEngine(ShmSteps):
         #: the largest broadcast / reduction the C steps take (the one-step algorithms only)
         self.quick_bytes = min(native.QUICK_BYTES, slot)
         self.quick_reduce_bytes = min(native.QUICK_BYTES, self.direct_bytes)
+        #: large all_reduces through the peers' own memory, where the group can (see tdist_tcp.shared.cma)
+        self.cma = CrossMemory(self, native.native_module(options), options)
 
     def successor(
         self,
@@ -359,6 +365,9 @@ class ShmEngine(ShmSteps):
                 if avg:
                     self._finalize(flat, op)
             return
+        cma = self.cma if root is None and self.cma.wants(nb, K) else None
+        if cma is not None and cma.all_reduce(c, flat, K):
+            return
         es = flat.element_size()
         n = flat.numel()
         ptr = flat.data_ptr()
@@ -366,7 +375,7 @@ class ShmEngine(ShmSteps):
         block = max(1, self.block_bytes // es)
         keep = root is None or root == r
         combine = self.combine
-        desc = None
+        desc = None if cma is None or cma.state == "new" else ()  # (): checked by cma's step
         for a in range(0, n, chunk):
             m = min(chunk, n - a)
             b = self._next_buffer()
@@ -406,6 +415,8 @@ class ShmEngine(ShmSteps):
                     qlo, qhi = m * q // p, m * (q + 1) // p
                     if qhi > qlo:
                         _memmove(at + qlo * es, self.base + self.off(q, b) + qlo * es, (qhi - qlo) * es)
+        if cma is not None:
+            cma.probe()
 
     def _finalize(self, t: "torch.Tensor", op: "Reduction") -> None:
         from tdist.plugin import finalize_

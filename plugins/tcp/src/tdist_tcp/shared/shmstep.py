@@ -3,7 +3,8 @@ buffers, posting a step and waiting for the peers to post it.
 
 The segment (:mod:`tdist_tcp.shared.segment` maps it; :func:`layout` places its parts) holds,
 per rank, a control block of :data:`CTRL` bytes (a step counter, a "sleeping" flag, its
-pid, the descriptors of its current collectives) and two data buffers of ``slot``
+pid, the descriptors of its current collectives; from byte 128 :mod:`tdist_tcp.shared.cma`'s
+words) and two data buffers of ``slot``
 bytes. A collective is a sequence of *steps*: a rank writes into its own buffer, bumps
 its counter, waits until every peer's counter has reached the same value, then reads
 what it needs from its peers' buffers. Consecutive rounds alternate between the two
