@@ -9,6 +9,7 @@ setup(
         Extension(
             "tdist_tcp.shared._shmfast",
             sources=["src/tdist_tcp/shared/_shmfast.c"],
+            depends=["src/tdist_tcp/shared/_shmfast_reduce.h"],
             extra_compile_args=["-O3"],
             optional=True,
         )
