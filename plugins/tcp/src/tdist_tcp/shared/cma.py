@@ -23,25 +23,25 @@ is in, and every member reads the same verdicts: all yes, or the segment's way f
 A member without the C part, or with ``cma`` off (``$TDIST_TCP_CMA=0``), says no.
 
 The control block's bytes 128-156 (:data:`tdist_tcp.shared.shmstep.CTRL` per member) hold
-these words: the nonce, the segment's address, the tensor's address, the verdict.
+these words: the nonce, the segment's address, the tensor's address, the verdict. The
+engine posts the steps; this module publishes, agrees and moves the data.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from tdist.plugin import flag
 
-from .shmstep import _PID, CTRL
+from . import native
 
 if TYPE_CHECKING:
     import torch
 
     from .kernels import Kernel
     from .shmstep import ShmSteps
-    from ..collectives.algorithms import Coll
 
 __all__ = ["CrossMemory", "CMA_ENV", "MIN_BYTES"]
 
@@ -55,13 +55,17 @@ _NEW, _PROBED, _ON, _OFF = "new", "probed", "on", "off"
 
 
 class CrossMemory:
-    """One member's part in its segment's cross-memory all_reduces (see the module)."""
+    """One member's part in its segment's cross-memory all_reduces (see the module). The
+    engine's all_reduce, for a :meth:`wants` one: :meth:`publish`, a step with the
+    descriptor, :meth:`agreed` (else the segment's way, the descriptor checked), :meth:`reduce`,
+    a step; after a first one that went the segment's way, :meth:`probe`."""
 
-    def __init__(self, eng: "ShmSteps", ext: Any, options: Mapping[str, Any]) -> None:
-        """``ext``: the C part (None: this member says no)."""
+    def __init__(self, eng: "ShmSteps", blocks: Sequence[int], options: Mapping[str, Any]) -> None:
+        """``blocks``: each member's control block (its offset in the segment)."""
+        ext = native.native_module(options)
         self.eng = eng
         self._ext: Any = ext if flag(CMA_ENV, True, options.get("cma")) and hasattr(ext, "cma_combine") else None
-        self._blocks = [eng._ctrl_off + slot * CTRL for slot in eng.slots]  # each member's control block
+        self._blocks = list(blocks)
         self._mine = self._blocks[eng.r]
         self.state = _NEW
         self._pids: list[int] = []
@@ -75,20 +79,29 @@ class CrossMemory:
         try: the same answer on every member (nothing local decides it)."""
         return self.state != _OFF and nbytes >= MIN_BYTES and kernel.c_codes is not None
 
-    def all_reduce(self, c: "Coll", flat: "torch.Tensor", kernel: "Kernel") -> bool:
-        """Reduce ``flat`` over the members into every member's ``flat`` (True), or post its
-        descriptor's step and return False when the group does not take this way: the
-        caller goes on the usual way, its descriptor checked."""
-        eng = self.eng
-        if self.state == _NEW:
-            return False
-        _U64.pack_into(eng.mm, self._mine + _ADDR, flat.data_ptr())
-        eng._step(c, eng._put_desc(c, flat.nbytes, 0))
+    @property
+    def probed(self) -> bool:
+        """Whether this member has said its verdict: from then on a wanted all_reduce starts
+        with :meth:`publish` and its step (the same on every member)."""
+        return self.state != _NEW
+
+    def publish(self, flat: "torch.Tensor") -> None:
+        """Say where this member's tensor is (before the step that starts the all_reduce)."""
+        _U64.pack_into(self.eng.mm, self._mine + _ADDR, flat.data_ptr())
+
+    def agreed(self) -> bool:
+        """Whether the group goes this way (after that step; the first time, every member's
+        verdict is read: the same on every member)."""
         if self.state == _PROBED:
-            verdicts = [_U32.unpack_from(eng.mm, at + _VERDICT)[0] for at in self._blocks]
-            self.state = _ON if all(v == _YES for v in verdicts) else _OFF
-            if self.state == _OFF:
-                return False
+            mm = self.eng.mm
+            yes = all(_U32.unpack_from(mm, at + _VERDICT)[0] == _YES for at in self._blocks)
+            self.state = _ON if yes else _OFF
+        return self.state == _ON
+
+    def reduce(self, flat: "torch.Tensor", kernel: "Kernel") -> None:
+        """Reduce this member's slice from every member's ``flat`` and write it into all of
+        them; raises, naming the peer, when one cannot be reached."""
+        eng = self.eng
         p, r, n, es = eng.p, eng.r, flat.numel(), flat.element_size()
         lo, hi = n * r // p, n * (r + 1) // p
         addrs = [_U64.unpack_from(eng.mm, at + _ADDR)[0] + lo * es for at in self._blocks]
@@ -102,23 +115,21 @@ class CrossMemory:
                 f"({os.strerror(errno)}); that rank probably died",
                 tr.peers[eng.ranks[q]],
             )
-        eng._step(c)
-        return True
 
     def probe(self) -> None:
         """After the first large all_reduce (every peer's engine is made by then): say
         whether this member can read every peer's memory (see the module)."""
         if self.state != _NEW:
             return
-        eng, mm, words = self.eng, self.eng.mm, CTRL // 4
-        self._pids = [int(eng.ctl[slot * words + _PID]) for slot in eng.slots]
+        mm = self.eng.mm
+        self._pids = self.eng.member_pids()
         ok = self._ext is not None and all(
             self._ext.cma_probe(
-                self._pids[q], _U64.unpack_from(mm, at + _BASE)[0] + at + _NONCE, eng.base + at + _NONCE, 8
+                self._pids[q], _U64.unpack_from(mm, at + _BASE)[0] + at + _NONCE, self.eng.base + at + _NONCE, 8
             )
             == 0
             for q, at in enumerate(self._blocks)
-            if q != eng.r
+            if q != self.eng.r
         )
         _U32.pack_into(mm, self._mine + _VERDICT, _YES if ok else _NO)
         self.state = _PROBED

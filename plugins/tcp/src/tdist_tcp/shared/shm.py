@@ -77,7 +77,7 @@ from .cma import CrossMemory
 
 from ..net import tally
 from .shmstep import ALIGN as _ALIGN
-from .shmstep import ShmSteps, set_pid
+from .shmstep import CTRL, ShmSteps, set_pid
 from .shmstep import layout as _layout
 from ..protocol.wire import describe
 
@@ -279,7 +279,7 @@ class ShmEngine(ShmSteps):
         self.quick_bytes = min(native.QUICK_BYTES, slot)
         self.quick_reduce_bytes = min(native.QUICK_BYTES, self.direct_bytes)
         #: large all_reduces through the peers' own memory, where the group can (see tdist_tcp.shared.cma)
-        self.cma = CrossMemory(self, native.native_module(options), options)
+        self.cma = CrossMemory(self, [self._ctrl_off + place * CTRL for place in self.slots], options)
 
     def successor(
         self,
@@ -366,8 +366,13 @@ class ShmEngine(ShmSteps):
                     self._finalize(flat, op)
             return
         cma = self.cma if root is None and self.cma.wants(nb, K) else None
-        if cma is not None and cma.all_reduce(c, flat, K):
-            return
+        if cma is not None and cma.probed:  # (see tdist_tcp.shared.cma)
+            cma.publish(flat)
+            self._step(c, self._put_desc(c, nb, 0))
+            if cma.agreed():
+                cma.reduce(flat, K)
+                self._step(c)
+                return
         es = flat.element_size()
         n = flat.numel()
         ptr = flat.data_ptr()
@@ -375,7 +380,7 @@ class ShmEngine(ShmSteps):
         block = max(1, self.block_bytes // es)
         keep = root is None or root == r
         combine = self.combine
-        desc = None if cma is None or cma.state == "new" else ()  # (): checked by cma's step
+        desc = () if cma is not None and cma.probed else None  # (): checked at the step above
         for a in range(0, n, chunk):
             m = min(chunk, n - a)
             b = self._next_buffer()

@@ -238,8 +238,8 @@ class ShmSteps:
     def _wait_policy(self, spin_us: Any) -> shmwait.WaitPolicy:
         """The waiting policy of this segment: its members' pids are all published by now
         (every member set its own before answering ``ok``)."""
-        words = CTRL // 4
-        pids = [int(self.ctl[self.slots[q] * words + _PID]) for q in self._peers]
+        every = self.member_pids()
+        pids = [every[q] for q in self._peers]
         me = os.getpid() & _MASK
         return shmwait.decide(
             self.p,
@@ -247,6 +247,12 @@ class ShmSteps:
             None if spin_us is None else float(spin_us),
             same_process=any(pid == me for pid in pids),
         )
+
+    def member_pids(self) -> list[int]:
+        """Each member's pid as it published it (every member did before the segment was
+        accepted)."""
+        words = CTRL // 4
+        return [int(self.ctl[place * words + _PID]) for place in self.slots]
 
     def wake(self) -> None:
         """Wake every waiter of this segment (the transport broke or a peer left)."""
