@@ -62,7 +62,7 @@ def run_threads(
     body: Callable[[Any, int], Any],
     timeout: float = 30.0,
     backend_timeout: float = 10.0,
-    options: Optional[dict] = None,
+    options: Union[None, dict, Sequence[Optional[dict]]] = None,
     store: Optional[Store] = None,
     ranks: Optional[Sequence[int]] = None,
     raise_errors: bool = True,
@@ -71,7 +71,8 @@ def run_threads(
     """Run ``body(backend, rank)`` for every rank as threads of this process.
 
     Returns the per-rank results; with ``raise_errors=False`` a rank's exception is
-    returned in its slot instead of being raised. ``secret``: the factory's, or one per rank.
+    returned in its slot instead of being raised. ``options`` and ``secret``: the
+    factory's, or one per rank.
     """
     store = store or HashStore()
     results: list = [None] * world
@@ -81,7 +82,8 @@ def run_threads(
         backend = None
         try:
             key = secret if isinstance(secret, bytes) else secret[rank]
-            backend = make_backend(store, rank, world, backend_timeout, options, key)
+            mine = options if options is None or isinstance(options, dict) else options[rank]
+            backend = make_backend(store, rank, world, backend_timeout, mine, key)
             results[rank] = body(backend, rank)
         except BaseException as exc:
             errors[rank] = exc

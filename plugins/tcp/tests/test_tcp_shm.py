@@ -10,14 +10,13 @@ with the C part and without it (``native=False``: the same protocol in Python)."
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import _tcp_jobs as J
 import pytest
 import torch
 from tdist.plugin import HashStore
-from _tcp_harness import ProcWorld, make_backend, run_threads
+from _tcp_harness import ProcWorld, run_threads
 from tdist._errors import DistBackendTimeoutError
 from tdist._reduce_op import ReduceOp, Reduction
 from tdist_tcp.shared import native, segment, shmstep
@@ -111,23 +110,13 @@ def test_c_and_python_steps_agree_bitwise_and_mix_in_one_group(world3, buffers):
         _check_suites(results, 3)
         digests[label] = results[0][2]
     assert digests["c"] == digests["python"]
-    store = HashStore()
     per_rank = [buffers, {**buffers, **PYTHON}, buffers]
 
-    def body(rank):
-        b = make_backend(store, rank, 3, 20.0, per_rank[rank])
-        try:
-            result = J.shm_suites_job(b, rank, sizes=(5, 1000), n=9, blocking=True)[:3]
-            return (b._shm.fast.runs if b._shm.fast is not None else None), result
-        finally:
-            b.shutdown()
+    def body(b, rank):
+        result = J.shm_suites_job(b, rank, sizes=(5, 1000), n=9, blocking=True)[:3]
+        return (b._shm.fast.runs if b._shm.fast is not None else None), result
 
-    out: list = [None] * 3
-    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, body(r))) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    out = run_threads(3, body, timeout=120, backend_timeout=20.0, options=per_rank)
     runs = [r for r, _ in out]
     quick = 100 if not buffers else 50  # collectives small enough for one C call (fewer with small buffers)
     assert runs[1] is None and runs[0] > quick and runs[2] > quick, runs
@@ -194,21 +183,8 @@ def test_large_all_reduces_read_and_write_the_peers_memory(world3):
 def test_cross_memory_is_the_whole_groups_or_nobodys(decliner):
     """Ranks that are threads of one process read each other's memory too; one rank that
     says no (``cma=False``, or no C part) keeps the whole group to the segment's way."""
-    store = HashStore()
-    out: list = [None] * 3
-
-    def target(rank):
-        b = make_backend(store, rank, 3, 20.0, {"cma": rank != decliner})
-        try:
-            out[rank] = J.cma_job(b, rank)
-        finally:
-            b.shutdown()
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    options = [{"cma": rank != decliner} for rank in range(3)]
+    out = run_threads(3, J.cma_job, timeout=120, backend_timeout=20.0, options=options)
     state = "on" if decliner is None and HAS_NATIVE else "off"
     assert [r[0] for r in out] == [state] * 3 and all(r[1] == [] for r in out), [(r[0], r[1][:3]) for r in out]
 
@@ -247,21 +223,10 @@ def test_opt_out_env(monkeypatch):
 
 @pytest.mark.parametrize("decliner", [0, 2])
 def test_one_rank_declining_keeps_the_whole_group_on_sockets(decliner):
-    store = HashStore()
-    out: list = [None] * 3
-
-    def target(rank):
-        b = make_backend(store, rank, 3, 20.0, {"shm": rank != decliner})
-        try:
-            out[rank] = (b.uses_shm, J.collectives_suite(b, rank, n=9))
-        finally:
-            b.shutdown()
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    options = [{"shm": rank != decliner} for rank in range(3)]
+    out = run_threads(
+        3, lambda b, r: (b.uses_shm, J.collectives_suite(b, r, n=9)), timeout=60, backend_timeout=20.0, options=options
+    )
     assert out == [(False, [])] * 3
     assert J.shm_files([os.getpid()]) == []
 
@@ -269,22 +234,14 @@ def test_one_rank_declining_keeps_the_whole_group_on_sockets(decliner):
 def test_ranks_with_different_tuning_still_agree():
     """The algorithm-deciding sizes are rank 0's on every rank (no silent desync when a
     program passes different options per rank)."""
-    store = HashStore()
-    out: list = [None] * 2
     options = [{"shm_direct_bytes": 64, "shm_slot_bytes": 1 << 16}, {"shm_direct_bytes": 1 << 20}]
-
-    def target(rank):
-        b = make_backend(store, rank, 2, 20.0, options[rank])
-        try:
-            out[rank] = (b.uses_shm, J.all_reduce_suite(b, rank, sizes=(5, 1000, 30000)))
-        finally:
-            b.shutdown()
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    out = run_threads(
+        2,
+        lambda b, r: (b.uses_shm, J.all_reduce_suite(b, r, sizes=(5, 1000, 30000))),
+        timeout=120,
+        backend_timeout=20.0,
+        options=options,
+    )
     assert out == [(True, [])] * 2
 
 
